@@ -1,0 +1,185 @@
+#include "cache_manager/sequence.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cache_manager/status_macros.h"
+#include "kernels/score_validation.h"
+
+namespace kvcm {
+namespace {
+
+kernels::ScoreAggregation KernelAggregation(Aggregation aggregation) {
+  switch (aggregation) {
+    case Aggregation::kCumulative:
+      return kernels::ScoreAggregation::kCumulative;
+    case Aggregation::kSingleStep:
+      return kernels::ScoreAggregation::kSingleStep;
+    default:
+      return kernels::ScoreAggregation::kEma;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(std::string id,
+                                                            const SequenceOptions& options) {
+  auto context = [&id](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("sequence '", id, "': ", s.message()));
+  };
+  absl::StatusOr<int64_t> budget = ResolveBudget(options.prefill_len, options.budget);
+  if (!budget.ok()) return context(budget.status());
+  Policy policy = options.policy;
+  if (!options.preset.empty()) {
+    absl::StatusOr<Policy> preset = Policy::FromPreset(options.preset, *budget);
+    if (!preset.ok()) return context(preset.status());
+    policy = *std::move(preset);
+    policy.seed = options.policy.seed;
+  }
+  if (absl::Status valid = policy.Validate(*budget); !valid.ok()) return context(valid);
+  return std::unique_ptr<Sequence>(
+      new Sequence(std::move(id), options.prefill_len, *budget, std::move(policy)));
+}
+
+Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy)
+    : id_(std::move(id)),
+      prefill_len_(prefill_len),
+      budget_(budget),
+      policy_(std::move(policy)),
+      state_(prefill_len, budget, policy_.aggregation == Aggregation::kRecency),
+      rng_(policy_.seed) {}
+
+absl::Status Sequence::CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const {
+  const int64_t expected = state_.size() + 1;
+  if (scores.tokens != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", id_, "' step ", step, ": scores cover ", scores.tokens,
+        " tokens per layer, the cache holds ", expected, " (", state_.size(),
+        " cached + the new token)"));
+  }
+  if (scores.layer_stride < scores.tokens || scores.data == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", id_, "' step ", step, ": malformed score block (stride ",
+        scores.layer_stride, " < ", scores.tokens, " tokens, or no data)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Sequence::DescribeInvalidScore(int64_t step,
+                                            const kernels::ScoreMatrix& scores) const {
+  // Slow path, only after the fused kernel counted a bad element: name the first one.
+  const kernels::InvalidScore bad = kernels::FindFirstInvalidScore(scores);
+  const int64_t position = bad.index >= 0 && bad.index < state_.size()
+                               ? state_.positions()[static_cast<size_t>(bad.index)]
+                               : prefill_len_ + step - 1;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "sequence '", id_, "' step ", step, ": layer ", bad.layer, " score ", bad.index,
+      " (position ", position, ") is ", bad.value, "; scores must be finite and >= 0"));
+}
+
+absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
+                            EvictionDecision* decision) {
+  if (step != last_step_ + 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence '", id_, "': step ", step, " is out of order; expected step ",
+                     last_step_ + 1));
+  }
+  const bool scoring = policy_.IsScoringStep(step);
+  const bool has_scores = scores != nullptr && scores->layers > 0;
+  const int64_t new_position = prefill_len_ + step - 1;
+
+  if (scoring) {
+    if (!has_scores) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence '", id_, "' step ", step,
+                       ": this is a scoring step and it carries no layer scores (need ",
+                       state_.size() + 1, " scores per layer)"));
+    }
+    RETURN_IF_ERROR(CheckScores(step, *scores));
+    state_.Append(new_position, 0.0f);
+    const int64_t invalid = state_.ApplyScores(
+        *scores, {KernelAggregation(policy_.aggregation), policy_.alpha});
+    if (invalid != 0) {
+      state_.PopBack();
+      return DescribeInvalidScore(step, *scores);
+    }
+  } else if (policy_.aggregation == Aggregation::kRecency) {
+    state_.Append(new_position, static_cast<float>(new_position));
+  } else {
+    state_.Append(new_position, static_cast<float>(state_.MeanMomentum()));
+  }
+
+  // From here on nothing can fail.
+  decision->Reset();
+  const int64_t excess = state_.size() - budget_;
+  if (excess > 0) {
+    const int64_t begin = state_.FirstUnprotectedSinkIndex(policy_.protect_sinks);
+    const int64_t end = state_.size() - policy_.protect_recent;
+    // Validate() guarantees protect_sinks + protect_recent <= budget, so at least `excess`
+    // tokens are unprotected.
+    if (policy_.aggregation == Aggregation::kRandom) {
+      EvictRandom(begin, end, excess, &decision->evicted);
+    } else {
+      state_.EvictLowest(begin, end, excess, &decision->evicted);
+    }
+    if (step == 1) state_.ShrinkTo(budget_);
+  }
+
+  last_step_ = step;
+  ++stats_.steps;
+  stats_.tokens_evicted += static_cast<int64_t>(decision->evicted.size());
+  if (scoring) {
+    ++stats_.scoring_steps;
+  } else if (policy_.UsesScores()) {
+    ++stats_.skipped_scoring_steps;
+  }
+  if (!scoring && has_scores) ++stats_.ignored_score_reports;
+
+  decision->step = step;
+  decision->cache_size = state_.size();
+  decision->next_needs_scores = policy_.IsScoringStep(step + 1);
+  decision->scored = scoring;
+  decision->scores_ignored = !scoring && has_scores;
+  return absl::OkStatus();
+}
+
+uint64_t Sequence::UniformBelow(uint64_t bound) {
+  // Lemire's multiply-shift with rejection: unbiased and independent of the standard
+  // library's distribution implementations, so a seed gives the same choices everywhere.
+  uint64_t x = rng_();
+  unsigned __int128 m = static_cast<unsigned __int128>(x) * bound;
+  uint64_t low = static_cast<uint64_t>(m);
+  if (low < bound) {
+    const uint64_t threshold = (0 - bound) % bound;
+    while (low < threshold) {
+      x = rng_();
+      m = static_cast<unsigned __int128>(x) * bound;
+      low = static_cast<uint64_t>(m);
+    }
+  }
+  return static_cast<uint64_t>(m >> 64);
+}
+
+void Sequence::EvictRandom(int64_t begin, int64_t end, int64_t k,
+                           std::vector<int64_t>* evicted) {
+  const int64_t count = end - begin;
+  random_choice_.clear();
+  if (k == 1) {
+    random_choice_.push_back(begin + static_cast<int64_t>(UniformBelow(static_cast<uint64_t>(count))));
+  } else {
+    // A partial Fisher-Yates shuffle of the unprotected indices picks k distinct ones.
+    std::vector<uint64_t>& pool = state_.index_scratch();
+    for (int64_t i = 0; i < count; ++i) pool[static_cast<size_t>(i)] = static_cast<uint64_t>(begin + i);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t j = i + static_cast<int64_t>(UniformBelow(static_cast<uint64_t>(count - i)));
+      std::swap(pool[static_cast<size_t>(i)], pool[static_cast<size_t>(j)]);
+    }
+    random_choice_.assign(pool.begin(), pool.begin() + k);
+    std::sort(random_choice_.begin(), random_choice_.end());
+  }
+  state_.EvictIndices(random_choice_, evicted);
+}
+
+}  // namespace kvcm

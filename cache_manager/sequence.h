@@ -1,0 +1,92 @@
+// Sequence: the eviction engine of one generation request. It holds the policy, budget,
+// momentum state and step counter, and carries out SPEC.md's step procedure.
+//
+// A step either completes and returns a decision, or is rejected with a status naming
+// the sequence, step and what was wrong, and changes nothing. Not thread-safe:
+// SequenceTable serializes the steps of each sequence.
+#ifndef KVCM_CACHE_MANAGER_SEQUENCE_H_
+#define KVCM_CACHE_MANAGER_SEQUENCE_H_
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache_manager/budget.h"
+#include "cache_manager/eviction_decision.h"
+#include "cache_manager/momentum_state.h"
+#include "cache_manager/policy.h"
+#include "kernels/score_matrix.h"
+
+namespace kvcm {
+
+struct SequenceOptions {
+  int64_t prefill_len = 0;
+  BudgetSpec budget;
+  // When non-empty, the policy is this preset (Policy::FromPreset) and only `policy.seed`
+  // is taken from `policy`; otherwise `policy` is used as given.
+  std::string preset;
+  Policy policy;
+};
+
+struct SequenceStats {
+  int64_t steps = 0;
+  int64_t scoring_steps = 0;
+  int64_t skipped_scoring_steps = 0;  // steps a score-using policy did not need scores for
+  int64_t ignored_score_reports = 0;  // scores sent on a non-scoring step
+  int64_t tokens_evicted = 0;
+};
+
+class Sequence {
+ public:
+  // Validates the options (SPEC.md, "Registration fails ...") and builds the prefill cache.
+  static absl::StatusOr<std::unique_ptr<Sequence>> Create(std::string id,
+                                                          const SequenceOptions& options);
+
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
+  // Decode step `step` (the previous step + 1; the first is 1). `scores` are the step's
+  // layer scores, [layers, cache_size() + 1] in host memory, or nullptr / layers == 0 for
+  // none. On success `decision` is overwritten (its vector's capacity is reused).
+  // Errors: FAILED_PRECONDITION for a step out of order, INVALID_ARGUMENT for missing or
+  // malformed scores on a scoring step.
+  absl::Status Step(int64_t step, const kernels::ScoreMatrix* scores,
+                    EvictionDecision* decision);
+
+  const std::string& id() const { return id_; }
+  int64_t prefill_len() const { return prefill_len_; }
+  int64_t budget() const { return budget_; }
+  const Policy& policy() const { return policy_; }
+  int64_t last_step() const { return last_step_; }
+  int64_t cache_size() const { return state_.size(); }
+  // The number of scores per layer the next step must carry (cache plus the new token).
+  int64_t next_score_length() const { return state_.size() + 1; }
+  bool next_needs_scores() const { return policy_.IsScoringStep(last_step_ + 1); }
+  const SequenceStats& stats() const { return stats_; }
+  const MomentumState& state() const { return state_; }
+
+ private:
+  Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy);
+
+  absl::Status CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const;
+  absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores) const;
+  void EvictRandom(int64_t begin, int64_t end, int64_t k, std::vector<int64_t>* evicted);
+  uint64_t UniformBelow(uint64_t bound);
+
+  const std::string id_;
+  const int64_t prefill_len_;
+  const int64_t budget_;
+  const Policy policy_;
+  MomentumState state_;
+  int64_t last_step_ = 0;
+  SequenceStats stats_;
+  std::mt19937_64 rng_;  // random only; the engine of the standard is fully specified
+  std::vector<int64_t> random_choice_;  // random only: indices picked this step
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_CACHE_MANAGER_SEQUENCE_H_

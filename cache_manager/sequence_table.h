@@ -1,0 +1,133 @@
+// SequenceTable: every open sequence of the daemon, by id. Opens, steps (single rank or
+// tensor-parallel rank reports), closes, introspects and reclaims idle sequences.
+//
+// Thread-safe. Steps of different sequences run in parallel; steps of one sequence are
+// serialized by that sequence's mutex. Lock order: the table mutex `mu_` is taken before a
+// sequence's `Entry::mu`, and never held while a step computes or a callback runs.
+#ifndef KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
+#define KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cache_manager/clock.h"
+#include "cache_manager/eviction_decision.h"
+#include "cache_manager/sequence.h"
+#include "cache_manager/tensor_parallel_join.h"
+
+namespace kvcm {
+
+struct SequenceTableOptions {
+  int64_t max_sequences = 65536;
+  int32_t max_tp_world_size = 64;
+  const Clock* clock = nullptr;  // nullptr: Clock::Real()
+};
+
+// A snapshot of one sequence.
+struct SequenceInfo {
+  std::string id;
+  int64_t prefill_len = 0;
+  int64_t budget = 0;
+  Policy policy;
+  int32_t tp_world_size = 1;
+  int64_t last_step = 0;
+  int64_t cache_size = 0;
+  bool next_needs_scores = false;
+  int32_t ranks_reported = 0;  // for the pending step, tensor-parallel only
+  SequenceStats stats;
+  absl::Time last_active;
+  // Only when asked for: the cached positions (ascending) and their momentum.
+  std::vector<int64_t> positions;
+  std::vector<float> momentum;
+};
+
+struct SequenceTableTotals {
+  int64_t open_sequences = 0;
+  int64_t cached_tokens = 0;
+};
+
+// Receives the decision of a tensor-parallel step once every rank has reported, or the
+// error that ended the step (the step's join failed, or the sequence was closed or
+// reclaimed while it waited). Called exactly once, with no table lock held, on the thread
+// of the report that completed the step (or of the Close/ReclaimIdle).
+using RankDecisionCallback = absl::AnyInvocable<void(const absl::StatusOr<EvictionDecision>&)>;
+
+class SequenceTable {
+ public:
+  explicit SequenceTable(SequenceTableOptions options = {});
+  ~SequenceTable();
+
+  SequenceTable(const SequenceTable&) = delete;
+  SequenceTable& operator=(const SequenceTable&) = delete;
+
+  // Registers a sequence. Errors: INVALID_ARGUMENT (options, id, world size),
+  // ALREADY_EXISTS, RESOURCE_EXHAUSTED (max_sequences reached).
+  absl::StatusOr<SequenceInfo> Open(std::string id, const SequenceOptions& options,
+                                    int32_t tp_world_size = 1);
+
+  // Forgets a sequence; a pending tensor-parallel step is abandoned (ABORTED to its
+  // waiting ranks). NOT_FOUND when unknown.
+  absl::Status Close(absl::string_view id);
+
+  // One step of a single-rank sequence with already pooled scores (see Sequence::Step).
+  // `decision` is overwritten and its capacity reused. NOT_FOUND when unknown;
+  // FAILED_PRECONDITION when the sequence is tensor-parallel.
+  absl::Status Step(absl::string_view id, int64_t step, const kernels::ScoreMatrix* scores,
+                    EvictionDecision* decision);
+
+  // One rank's report for a step of a sequence opened with tp_world_size ranks (1 works
+  // too: the report is then divided by its head count). On error the report is rejected,
+  // `on_decided` is not called, and nothing changes. Otherwise `on_decided` is called once:
+  // immediately if this report completes the step, later otherwise.
+  absl::Status SubmitRankReport(absl::string_view id, const RankReport& report,
+                                RankDecisionCallback on_decided);
+
+  // A snapshot; `with_cache` adds the cached positions and their momentum.
+  absl::StatusOr<SequenceInfo> Inspect(absl::string_view id, bool with_cache) const;
+  std::vector<SequenceInfo> List() const;
+  SequenceTableTotals Totals() const;
+
+  // Closes every sequence not stepped, opened or inspected for `idle_timeout`; returns
+  // their ids.
+  std::vector<std::string> ReclaimIdle(absl::Duration idle_timeout);
+
+ private:
+  struct Entry {
+    explicit Entry(std::unique_ptr<Sequence> s, int32_t world_size)
+        : sequence(std::move(s)), join(world_size) {}
+    mutable absl::Mutex mu;
+    std::unique_ptr<Sequence> sequence ABSL_GUARDED_BY(mu);
+    TensorParallelJoin join ABSL_GUARDED_BY(mu);
+    std::vector<RankDecisionCallback> waiting ABSL_GUARDED_BY(mu);
+    EvictionDecision decision ABSL_GUARDED_BY(mu);  // reused by tensor-parallel steps
+    absl::Time last_active ABSL_GUARDED_BY(mu);
+    bool closed ABSL_GUARDED_BY(mu) = false;
+  };
+
+  std::shared_ptr<Entry> Find(absl::string_view id) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status NotFound(absl::string_view id) const;
+  static SequenceInfo Snapshot(const Entry& entry, bool with_cache)
+      ABSL_SHARED_LOCKS_REQUIRED(entry.mu);
+  // Marks `entry` closed and hands back the callbacks of its pending step.
+  static std::vector<RankDecisionCallback> Abandon(Entry& entry) ABSL_LOCKS_EXCLUDED(entry.mu);
+
+  const SequenceTableOptions options_;
+  const Clock* const clock_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
