@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The test command (README.md): installs what is missing, builds, and runs every test.
+#   1. build/       RelWithDebInfo, everything (CUDA code compiled and linked when nvcc is
+#                   present; GPU tests skip without a device): all CTest tests.
+#   2. build-asan/  AddressSanitizer + UndefinedBehaviorSanitizer over the engine, kernels
+#                   and kvcache-replay and their tests.
+#   3. build-tsan/  ThreadSanitizer over the engine's concurrency tests (label concurrency).
+# Usage: scripts/test.sh [--quick]   (--quick: step 1 only)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+
+scripts/install-deps.sh
+
+configure() {  # dir, extra cmake args...
+  local dir=$1; shift
+  cmake -S . -B "$dir" -G Ninja -DKVCM_WERROR=ON "$@" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; exit 1; }
+}
+
+echo "== 1/3 full build and tests (build/)"
+mkdir -p build
+configure build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
+
+if [ "${1:-}" = "--quick" ]; then exit 0; fi
+
+echo "== 2/3 engine under ASan+UBSan (build-asan/)"
+mkdir -p build-asan
+configure build-asan -DCMAKE_BUILD_TYPE=Asan -DKVCM_ENGINE_ONLY=ON -DKVCM_CUDA=OFF \
+  -DKVCM_BUILD_BENCH=OFF
+cmake --build build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900
+
+echo "== 3/3 engine concurrency under TSan (build-tsan/)"
+mkdir -p build-tsan
+configure build-tsan -DCMAKE_BUILD_TYPE=Tsan -DKVCM_ENGINE_ONLY=ON -DKVCM_CUDA=OFF \
+  -DKVCM_BUILD_BENCH=OFF
+cmake --build build-tsan -j "$jobs"
+TSAN_OPTIONS=halt_on_error=1 \
+  ctest --test-dir build-tsan --output-on-failure -L concurrency --timeout 900
+
+echo "== all tests passed"
