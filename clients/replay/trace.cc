@@ -127,6 +127,7 @@ absl::StatusOr<TraceHeader> ParseTraceHeader(const std::string& line) {
 }
 
 absl::Status ParseTraceStep(const std::string& line, TraceStep* step) {
+  step->step = -1;  // unknown until parsed
   absl::StatusOr<json> parsed = ParseJson(line);
   if (!parsed.ok()) return parsed.status();
   const json& s = *parsed;
@@ -194,9 +195,14 @@ absl::StatusOr<bool> TraceReader::Next(TraceStep* step) {
     step->line = line_;
     absl::Status status = ParseTraceStep(buffer_, step);
     if (!status.ok()) {
+      // Name the step even when the line is too broken to say: it should have held the
+      // step after the last good one.
+      const std::string which =
+          step->step < 0 ? absl::StrCat("step ", last_step_ + 1, " (expected): ") : "";
       return absl::InvalidArgumentError(
-          absl::StrCat(path_, ":", line_, ": ", status.message()));
+          absl::StrCat(path_, ":", line_, ": ", which, status.message()));
     }
+    last_step_ = step->step;
     return true;
   }
   if (in_.bad()) return absl::DataLossError(absl::StrCat(path_, ": read error"));

@@ -65,6 +65,7 @@ class TraceReader {
   std::ifstream in_;
   TraceHeader header_;
   int64_t line_ = 0;
+  int64_t last_step_ = 0;  // the step number of the last line read
   std::string buffer_;
 };
 

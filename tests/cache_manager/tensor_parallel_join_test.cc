@@ -1,0 +1,176 @@
+#include "cache_manager/tensor_parallel_join.h"
+
+#include <random>
+#include <vector>
+
+#include "cache_manager/sequence_table.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/half_float.h"
+#include "tests/cache_manager/engine_test_util.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+
+JoinExpectation Expect(int64_t step, int64_t tokens, bool scoring) {
+  return JoinExpectation{"seq", step, tokens, scoring};
+}
+
+RankReport Report(int32_t rank, int64_t step, const std::vector<float>& sums, int64_t layers,
+                  int64_t heads) {
+  RankReport r;
+  r.rank = rank;
+  r.step = step;
+  r.partial_sums = kernels::ScoreMatrix::Dense(sums.data(), kernels::ScoreDtype::kFloat32, layers,
+                                               static_cast<int64_t>(sums.size()) / layers);
+  r.head_count = heads;
+  return r;
+}
+
+TEST(TensorParallelJoinTest, LayerScoreIsTotalSumOverTotalHeads) {
+  TensorParallelJoin join(2);
+  const std::vector<float> r0 = {0.5f, 1.5f, 1.0f, 1.0f};  // 2 heads, 1 layer x 4
+  const std::vector<float> r1 = {0.5f, 0.5f, 1.0f, 0.0f};  // 2 heads
+  ASSERT_TRUE(join.Add(Report(1, 3, r1, 1, 2), Expect(3, 4, true)).ok());
+  EXPECT_FALSE(join.complete());
+  EXPECT_EQ(join.MissingRanks(), std::vector<int32_t>{0});
+  ASSERT_TRUE(join.Add(Report(0, 3, r0, 1, 2), Expect(3, 4, true)).ok());
+  ASSERT_TRUE(join.complete());
+  const kernels::ScoreMatrix joined = join.Join();
+  ASSERT_EQ(joined.layers, 1);
+  const float* v = static_cast<const float*>(joined.data);
+  EXPECT_EQ(std::vector<float>(v, v + 4), (std::vector<float>{0.25f, 0.5f, 0.5f, 0.25f}));
+}
+
+TEST(TensorParallelJoinTest, RejectsBadReportsAndKeepsTheGoodOnes) {
+  TensorParallelJoin join(3);
+  const std::vector<float> ok = {0.1f, 0.2f, 0.3f};
+  ASSERT_TRUE(join.Add(Report(0, 5, ok, 1, 1), Expect(5, 3, true)).ok());
+
+  absl::Status s = join.Add(Report(3, 5, ok, 1, 1), Expect(5, 3, true));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("rank 3"));
+  s = join.Add(Report(1, 6, ok, 1, 1), Expect(5, 3, true));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  s = join.Add(Report(0, 5, ok, 1, 1), Expect(5, 3, true));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("already reported"));
+  s = join.Add(Report(1, 5, ok, 1, 0), Expect(5, 3, true));
+  EXPECT_THAT(s.message(), HasSubstr("head_count"));
+  const std::vector<float> short_row = {0.1f, 0.2f};
+  s = join.Add(Report(1, 5, short_row, 1, 1), Expect(5, 3, true));
+  EXPECT_THAT(s.message(), HasSubstr("cover 2 tokens"));
+  const std::vector<float> two_layers = {0.1f, 0.2f, 0.3f, 0.1f, 0.2f, 0.3f};
+  s = join.Add(Report(1, 5, two_layers, 2, 1), Expect(5, 3, true));
+  EXPECT_THAT(s.message(), HasSubstr("2 layers, earlier ranks reported 1"));
+  const std::vector<float> negative = {0.1f, -0.2f, 0.3f};
+  s = join.Add(Report(1, 5, negative, 1, 1), Expect(5, 3, true));
+  EXPECT_THAT(s.message(), HasSubstr("layer 0 partial sum 1 is -0.2"));
+  RankReport none;
+  none.rank = 2;
+  none.step = 5;
+  s = join.Add(none, Expect(5, 3, true));
+  EXPECT_THAT(s.message(), HasSubstr("carries no partial sums"));
+
+  EXPECT_EQ(join.arrived(), 1);  // none of the rejected reports counted
+  ASSERT_TRUE(join.Add(Report(1, 5, ok, 1, 1), Expect(5, 3, true)).ok());
+  ASSERT_TRUE(join.Add(Report(2, 5, ok, 1, 1), Expect(5, 3, true)).ok());
+  EXPECT_TRUE(join.complete());
+}
+
+TEST(TensorParallelJoinTest, NonScoringStepNeedsNoScoresAndIgnoresThem) {
+  TensorParallelJoin join(2);
+  RankReport none;
+  none.rank = 0;
+  none.step = 2;
+  ASSERT_TRUE(join.Add(none, Expect(2, 10, false)).ok());
+  const std::vector<float> stray = {-1.0f};  // not even valid: ignored, not checked
+  ASSERT_TRUE(join.Add(Report(1, 2, stray, 1, 1), Expect(2, 10, false)).ok());
+  EXPECT_TRUE(join.any_scores_ignored());
+  EXPECT_EQ(join.Join().layers, 0);
+  join.Reset();
+  EXPECT_EQ(join.arrived(), 0);
+  EXPECT_FALSE(join.any_scores_ignored());
+}
+
+// The same trace through 1, 2, 4 and 8 ranks gives identical decisions: each rank holds
+// h_p heads that all saw the pooled row, so its partial sum is the row times h_p.
+TEST(TensorParallelJoinTest, DecisionsDoNotDependOnTheNumberOfRanks) {
+  for (const char* preset : {"inertia", "inertia_lazy4", "tova", "h2o"}) {
+    SCOPED_TRACE(preset);
+    std::vector<std::vector<EvictionDecision>> runs;
+    for (int32_t ranks : {1, 2, 4, 8}) {
+      SequenceTable table;
+      SequenceOptions o;
+      o.prefill_len = 200;
+      o.budget = BudgetSpec::Ratio(0.9);
+      o.preset = preset;
+      ASSERT_TRUE(table.Open("s", o, ranks).ok());
+      std::mt19937_64 rng(11);
+      std::vector<EvictionDecision> decisions;
+      int64_t cache = 200;
+      for (int64_t t = 1; t <= 30; ++t) {
+        const bool scoring = Policy::FromPreset(preset, 20)->IsScoringStep(t);
+        const auto layers = testing::RandomLayers(rng, 3, cache + 1, false);
+        testing::DenseScores dense(layers);
+        std::vector<EvictionDecision> got;
+        for (int32_t i = 0; i < ranks; ++i) {
+          const int32_t rank = (i * 3 + static_cast<int32_t>(t)) % ranks;  // scrambled arrival
+          const int64_t heads = 1 + (rank % 2);
+          std::vector<float> sums(dense.data.size());
+          for (size_t k = 0; k < sums.size(); ++k) sums[k] = dense.data[k] * static_cast<float>(heads);
+          RankReport r;
+          r.rank = rank;
+          r.step = t;
+          r.head_count = heads;
+          if (scoring) {
+            r.partial_sums = dense.matrix;
+            r.partial_sums.data = sums.data();
+          }
+          ASSERT_TRUE(table
+                          .SubmitRankReport("s", r,
+                                            [&got](const absl::StatusOr<EvictionDecision>& d) {
+                                              ASSERT_TRUE(d.ok()) << d.status();
+                                              got.push_back(*d);
+                                            })
+                          .ok());
+          if (i + 1 < ranks) {
+            EXPECT_TRUE(got.empty()) << "decided before every rank reported";
+          }
+        }
+        ASSERT_EQ(static_cast<int32_t>(got.size()), ranks);
+        for (const auto& d : got) EXPECT_EQ(d.evicted, got.front().evicted);
+        decisions.push_back(got.front());
+        cache = got.front().cache_size;
+      }
+      runs.push_back(decisions);
+    }
+    for (size_t r = 1; r < runs.size(); ++r) {
+      for (size_t t = 0; t < runs[0].size(); ++t) {
+        EXPECT_EQ(runs[r][t].evicted, runs[0][t].evicted) << "step " << t + 1;
+        EXPECT_EQ(runs[r][t].next_needs_scores, runs[0][t].next_needs_scores);
+      }
+    }
+  }
+}
+
+TEST(TensorParallelJoinTest, MixedDtypesJoinInDouble) {
+  TensorParallelJoin join(2);
+  const std::vector<float> r0 = {0.5f, 0.25f};
+  std::vector<uint16_t> r1 = {kernels::FloatToFloat16(0.5f), kernels::FloatToFloat16(0.75f)};
+  ASSERT_TRUE(join.Add(Report(0, 1, r0, 1, 1), Expect(1, 2, true)).ok());
+  RankReport half;
+  half.rank = 1;
+  half.step = 1;
+  half.head_count = 1;
+  half.partial_sums = kernels::ScoreMatrix::Dense(r1.data(), kernels::ScoreDtype::kFloat16, 1, 2);
+  ASSERT_TRUE(join.Add(half, Expect(1, 2, true)).ok());
+  const float* v = static_cast<const float*>(join.Join().data);
+  EXPECT_EQ(v[0], 0.5f);
+  EXPECT_EQ(v[1], 0.5f);
+}
+
+}  // namespace
+}  // namespace kvcm

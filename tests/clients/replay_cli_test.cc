@@ -1,0 +1,210 @@
+// kvcache-replay as a user runs it: exit codes, what lands on stdout, stderr and --out.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/clients/golden.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::GoldenDir;
+using ::kvcm::testing::ReadFile;
+using ::testing::HasSubstr;
+
+struct Result {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+class ReplayCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           absl::StrCat("kvcm_replay_cli_", getpid(), "_",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  Result Run(const std::string& args) {
+    const std::string out = (dir_ / "stdout").string();
+    const std::string err = (dir_ / "stderr").string();
+    const std::string cmd = absl::StrCat(KVCM_BIN_DIR, "/kvcache-replay ", args, " >", out,
+                                         " 2>", err);
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = ReadFile(out);
+    r.err = ReadFile(err);
+    return r;
+  }
+
+  std::string Write(const std::string& name, const std::string& text) {
+    const std::string path = (dir_ / name).string();
+    std::ofstream(path) << text;
+    return path;
+  }
+
+  // The header and first `steps` step lines of a golden trace.
+  static std::string GoldenPrefix(const std::string& name, size_t steps) {
+    std::vector<std::string> lines =
+        absl::StrSplit(ReadFile(GoldenDir() + "/" + name + ".trace.jsonl"), '\n');
+    lines.resize(steps + 1);
+    return absl::StrCat(absl::StrJoin(lines, "\n"), "\n");
+  }
+
+  static size_t Lines(const std::string& s) {
+    return static_cast<size_t>(std::count(s.begin(), s.end(), '\n'));
+  }
+
+  // Exit status 2, one line on stderr naming file:line and the step; and exactly
+  // `decided` decisions before it on stdout.
+  void ExpectRejected(const Result& r, const std::string& file_line, const std::string& step,
+                      size_t decided) {
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(Lines(r.err), 1u) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(file_line));
+    EXPECT_THAT(r.err, HasSubstr(step));
+    EXPECT_EQ(Lines(r.out), decided) << r.out;
+  }
+
+  std::filesystem::path dir_;
+};
+
+TEST_F(ReplayCliTest, WritesGoldenDecisionsToStdoutOrToAFile) {
+  const std::string trace = GoldenDir() + "/ema_every_step.trace.jsonl";
+  const std::string want = ReadFile(GoldenDir() + "/ema_every_step.decisions.jsonl");
+  Result r = Run("--trace " + trace);
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.out, want);
+  EXPECT_TRUE(r.err.empty());
+  const std::string out = (dir_ / "decisions.jsonl").string();
+  r = Run(absl::StrCat("--trace ", trace, " --out ", out, " --tp 3"));
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(ReadFile(out), want);
+}
+
+TEST_F(ReplayCliTest, SummaryGoesWhereDecisionsDoNot) {
+  const std::string trace = GoldenDir() + "/ema_lazy4.trace.jsonl";
+  Result r = Run("--trace " + trace + " --summary");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("skipped"));
+  EXPECT_THAT(r.out, ::testing::Not(HasSubstr("skipped")));
+  r = Run("--trace " + trace + " --summary --out " + (dir_ / "d").string());
+  EXPECT_THAT(r.out, HasSubstr("ema_lazy4"));
+}
+
+TEST_F(ReplayCliTest, MomentumAddsTheCacheToEveryDecision) {
+  Result r = Run("--momentum --trace " + GoldenDir() + "/recency_sinks.trace.jsonl");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(Lines(r.out), 20u);
+  EXPECT_THAT(r.out, HasSubstr(R"("momentum":{"positions":[0,1,2,3,53,)"));
+}
+
+TEST_F(ReplayCliTest, CompareTableHasARowPerPreset) {
+  Result r = Run("--compare all --trace " + GoldenDir() + "/shift_protected.trace.jsonl");
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* p : {"inertia ", "inertia_lazy4", "score_free", "tova", "h2o",
+                        "streaming_llm", "random"}) {
+    EXPECT_THAT(r.out, HasSubstr(p));
+  }
+}
+
+TEST_F(ReplayCliTest, MalformedJson) {
+  const std::string path =
+      Write("t.jsonl", GoldenPrefix("ema_every_step", 2) + R"({"step":3,"layers":[[0.1,)" "\n");
+  ExpectRejected(Run("--trace " + path), "t.jsonl:4:", "step 3", 2);
+  EXPECT_THAT(Run("--trace " + path).err, HasSubstr("malformed JSON"));
+}
+
+TEST_F(ReplayCliTest, NanIsNotJsonAndIsRejected) {
+  const std::string path =
+      Write("t.jsonl", GoldenPrefix("ema_every_step", 1) + R"({"step":2,"layers":[[NaN]]})" "\n");
+  ExpectRejected(Run("--trace " + path), "t.jsonl:3:", "step 2", 1);
+}
+
+TEST_F(ReplayCliTest, WrongLength) {
+  const std::string path =
+      Write("t.jsonl", GoldenPrefix("ema_every_step", 3) + R"({"step":4,"layers":[[0.1,0.2]]})" "\n");
+  const Result r = Run("--trace " + path);
+  ExpectRejected(r, "t.jsonl:5:", "step 4", 3);
+  EXPECT_THAT(r.err, HasSubstr("scores cover 2 tokens per layer, the cache holds 26"));
+}
+
+TEST_F(ReplayCliTest, NegativeScore) {
+  std::string text = GoldenPrefix("ema_every_step", 2);
+  const size_t at = text.rfind("[[") + 2;  // first score of step 2
+  text.insert(at, "-");
+  const Result r = Run("--trace " + Write("t.jsonl", text));
+  ExpectRejected(r, "t.jsonl:3:", "step 2", 1);
+  EXPECT_THAT(r.err, HasSubstr("layer 0 score 0"));
+}
+
+TEST_F(ReplayCliTest, HugeScoreOverflowsToInfinityAndIsRejected) {
+  std::string text = GoldenPrefix("ema_every_step", 2);
+  const size_t at = text.rfind("[[") + 2;
+  text.insert(at, "1e39,");  // also makes the row one longer: replace a value instead
+  text.erase(at + 5, text.find(',', at + 5) - (at + 5) + 1);
+  const Result r = Run("--trace " + Write("t.jsonl", text));
+  ExpectRejected(r, "t.jsonl:3:", "step 2", 1);
+  EXPECT_THAT(r.err, HasSubstr("inf"));
+}
+
+TEST_F(ReplayCliTest, MissingScoresOnAScoringStep) {
+  const std::string path = Write("t.jsonl", GoldenPrefix("ema_lazy4", 4) + R"({"step":5})" "\n");
+  const Result r = Run("--trace " + path);
+  ExpectRejected(r, "t.jsonl:6:", "step 5", 4);
+  EXPECT_THAT(r.err, HasSubstr("scoring step"));
+}
+
+TEST_F(ReplayCliTest, OutOfOrderStep) {
+  const std::string path = Write("t.jsonl", GoldenPrefix("score_free", 2) + R"({"step":4})" "\n");
+  const Result r = Run("--trace " + path);
+  ExpectRejected(r, "t.jsonl:4:", "step 4", 2);
+  EXPECT_THAT(r.err, HasSubstr("expected step 3"));
+}
+
+TEST_F(ReplayCliTest, InvalidPolicy) {
+  const std::string path = Write(
+      "t.jsonl",
+      R"({"format":"kvtrace/1","prefill_len":10,"budget_tokens":4,"policy":{"aggregation":"ema","alpha":1.5}})"
+      "\n{\"step\":1}\n");
+  const Result r = Run("--trace " + path);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(Lines(r.err), 1u);
+  EXPECT_THAT(r.err, HasSubstr("t.jsonl:1:"));
+  EXPECT_THAT(r.err, HasSubstr("alpha"));
+  EXPECT_TRUE(r.out.empty());
+}
+
+TEST_F(ReplayCliTest, BothBudgetsOrNeither) {
+  const std::string both = Write(
+      "b.jsonl", R"({"format":"kvtrace/1","prefill_len":10,"budget_tokens":4,"compression_ratio":0.5})" "\n");
+  EXPECT_EQ(Run("--trace " + both).exit_code, 2);
+  const std::string neither = Write("n.jsonl", R"({"format":"kvtrace/1","prefill_len":10})" "\n");
+  EXPECT_THAT(Run("--trace " + neither).err, HasSubstr("exactly one of budget_tokens"));
+}
+
+TEST_F(ReplayCliTest, UsageErrors) {
+  Result r = Run("");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--trace"));
+  r = Run("--trace " + (dir_ / "missing.jsonl").string());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("cannot open"));
+}
+
+}  // namespace
+}  // namespace kvcm

@@ -1,0 +1,94 @@
+#include "kernels/selection.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvcm::kernels {
+namespace {
+
+// Reference: sort (value, index) pairs over the range, take k, return indices ascending.
+std::vector<int64_t> ReferenceLowest(const std::vector<float>& v, int64_t begin, int64_t end,
+                                     int64_t k) {
+  std::vector<int64_t> idx(static_cast<size_t>(end - begin));
+  std::iota(idx.begin(), idx.end(), begin);
+  std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return v[a] < v[b]; });
+  idx.resize(static_cast<size_t>(k));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+std::vector<int64_t> Select(const std::vector<float>& v, int64_t begin, int64_t end, int64_t k) {
+  std::vector<int64_t> out(static_cast<size_t>(k), -1);
+  std::vector<uint64_t> scratch(static_cast<size_t>(end - begin));
+  cpu::SelectLowest(v.data(), begin, end, k, out.data(), scratch.data(), nullptr);
+  return out;
+}
+
+TEST(SelectLowestTest, EqualValuesGoLowestIndexFirst) {
+  const std::vector<float> v = {0.5f, 0.2f, 0.2f, 0.9f, 0.2f, 0.1f};
+  EXPECT_EQ(Select(v, 0, 6, 1), (std::vector<int64_t>{5}));
+  EXPECT_EQ(Select(v, 0, 6, 2), (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(Select(v, 0, 6, 3), (std::vector<int64_t>{1, 2, 5}));
+  EXPECT_EQ(Select(v, 0, 5, 1), (std::vector<int64_t>{1}));
+}
+
+TEST(SelectLowestTest, NegativeZeroTiesWithZero) {
+  const std::vector<float> v = {0.3f, 0.0f, -0.0f, 0.0f};
+  EXPECT_EQ(Select(v, 0, 4, 1), (std::vector<int64_t>{1}));
+  EXPECT_EQ(Select(v, 0, 4, 2), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(Select(v, 2, 4, 1), (std::vector<int64_t>{2}));
+}
+
+TEST(SelectLowestTest, RespectsTheRange) {
+  const std::vector<float> v = {0.0f, 0.0f, 0.5f, 0.4f, 0.3f, 0.0f};
+  EXPECT_EQ(Select(v, 2, 5, 1), (std::vector<int64_t>{4}));
+  EXPECT_EQ(Select(v, 2, 5, 2), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(Select(v, 2, 5, 3), (std::vector<int64_t>{2, 3, 4}));
+  EXPECT_TRUE(Select(v, 2, 5, 0).empty());
+}
+
+TEST(SelectLowestTest, MatchesSortingOnRandomInputsWithManyTies) {
+  std::mt19937_64 rng(1234);
+  for (int round = 0; round < 300; ++round) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 3000);
+    std::vector<float> v(static_cast<size_t>(n));
+    const bool coarse = round % 2 == 0;  // quantized values: lots of exact ties
+    for (float& x : v) {
+      x = coarse ? static_cast<float>(rng() % 8) / 8.0f
+                 : std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    }
+    const int64_t begin = static_cast<int64_t>(rng() % static_cast<uint64_t>(n));
+    const int64_t end = begin + 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(n - begin));
+    const int64_t k = static_cast<int64_t>(rng() % static_cast<uint64_t>(end - begin + 1));
+    ASSERT_EQ(Select(v, begin, end, k), ReferenceLowest(v, begin, end, k))
+        << "n=" << n << " range=[" << begin << "," << end << ") k=" << k;
+  }
+}
+
+TEST(RemoveEntriesTest, KeepsSurvivorsInOrder) {
+  std::vector<float> m = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<int64_t> p = {10, 11, 12, 13, 14, 15, 16, 17};
+  const std::vector<int64_t> remove = {0, 3, 4, 7};
+  cpu::RemoveEntries(m.data(), p.data(), 8, remove.data(), 4, nullptr);
+  m.resize(4);
+  p.resize(4);
+  EXPECT_EQ(m, (std::vector<float>{1, 2, 5, 6}));
+  EXPECT_EQ(p, (std::vector<int64_t>{11, 12, 15, 16}));
+}
+
+TEST(RemoveEntriesTest, RemovingNothingOrEverything) {
+  std::vector<float> m = {1, 2, 3};
+  std::vector<int64_t> p = {1, 2, 3};
+  cpu::RemoveEntries(m.data(), p.data(), 3, nullptr, 0, nullptr);
+  EXPECT_EQ(p, (std::vector<int64_t>{1, 2, 3}));
+  const std::vector<int64_t> all = {0, 1, 2};
+  cpu::RemoveEntries(m.data(), p.data(), 3, all.data(), 3, nullptr);  // must not touch memory
+  SUCCEED();
+}
+
+}  // namespace
+}  // namespace kvcm::kernels
