@@ -1,0 +1,97 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "kvcache-manager.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full object name: RELEASE-CHART unless the release name already holds the chart name. */}}
+{{- define "kvcache-manager.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvcache-manager.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select the pods: stable across upgrades, never add to them. */}}
+{{- define "kvcache-manager.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvcache-manager.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels on every object. component=kvcached also names the scrape job (jobLabel). */}}
+{{- define "kvcache-manager.labels" -}}
+helm.sh/chart: {{ include "kvcache-manager.chart" . }}
+{{ include "kvcache-manager.selectorLabels" . }}
+app.kubernetes.io/component: kvcached
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvcache-manager
+{{- end }}
+
+{{- define "kvcache-manager.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvcache-manager.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* repository:tag or repository@digest; the cuda backend's default tag ends in -cuda. */}}
+{{- define "kvcache-manager.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- $tag := .Values.image.tag }}
+{{- if not $tag }}
+{{- $tag = .Chart.AppVersion }}
+{{- if eq .Values.daemon.backend "cuda" }}
+{{- $tag = printf "%s-cuda" $tag }}
+{{- end }}
+{{- end }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* True when the Prometheus Operator's CRDs are served (ServiceMonitor, PrometheusRule). */}}
+{{- define "kvcache-manager.hasMonitoringAPI" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- end }}
+
+{{/* The daemon's command-line flags, one list item each; null values are left out. */}}
+{{- define "kvcache-manager.args" -}}
+{{- $d := .Values.daemon }}
+- --listen=0.0.0.0:{{ .Values.ports.grpc }}
+- --metrics_listen=0.0.0.0:{{ .Values.ports.metrics }}
+- --backend={{ $d.backend }}
+{{- $flags := list
+  (list "max_sequences" $d.maxSequences)
+  (list "idle_timeout" $d.idleTimeout)
+  (list "drain_deadline" $d.drainDeadline)
+  (list "max_message_bytes" $d.maxMessageBytes)
+  (list "max_streams" $d.maxStreams)
+  (list "keepalive_time" $d.keepaliveTime)
+  (list "keepalive_timeout" $d.keepaliveTimeout)
+  (list "pool_memory_bytes" $d.poolMemoryBytes)
+  (list "tp_ranks" $d.tpRanks) }}
+{{- range $flags }}
+{{- $value := index . 1 }}
+{{- if not (kindIs "invalid" $value) }}
+{{- if kindIs "float64" $value }}
+{{- $value = int64 $value }}
+{{- end }}
+- --{{ index . 0 }}={{ $value }}
+{{- end }}
+{{- end }}
+{{- range $d.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
