@@ -20,8 +20,11 @@ inline float Float16ToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t magnitude = h & 0x7fffu;
   const float scaled = std::bit_cast<float>(magnitude << 13) * 0x1p112f;
-  uint32_t bits = std::bit_cast<uint32_t>(scaled);
-  bits = magnitude >= 0x7c00u ? (0x7f800000u | (magnitude << 13)) : bits;
+  // Select with a mask rather than ?: so that loops over this stay branch-free and
+  // vectorize (the vectorizer gives up on the conditional form).
+  const uint32_t special = 0u - static_cast<uint32_t>(magnitude >= 0x7c00u);
+  const uint32_t bits = (std::bit_cast<uint32_t>(scaled) & ~special) |
+                        ((0x7f800000u | (magnitude << 13)) & special);
   return std::bit_cast<float>(bits | sign);
 }
 

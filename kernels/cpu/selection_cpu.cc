@@ -3,6 +3,7 @@
 #include <bit>
 #include <cstring>
 
+#include "kernels/cpu/hot_loops.h"
 #include "kernels/selection.h"
 
 namespace kvcm::kernels::cpu {
@@ -27,16 +28,7 @@ void SelectLowest(const float* values, int64_t begin, int64_t end, int64_t k,
     return;
   }
   if (k == 1) {
-    // Strict '<' keeps the first (lowest-index) of equal minima.
-    int64_t best = begin;
-    float best_value = values[begin];
-    for (int64_t i = begin + 1; i < end; ++i) {
-      if (values[i] < best_value) {
-        best_value = values[i];
-        best = i;
-      }
-    }
-    selected[0] = best;
+    selected[0] = SelectedHotLoops().arg_min(values, begin, end);  // the first of equal minima
     return;
   }
   for (int64_t i = 0; i < count; ++i) scratch[i] = EvictionKey(values[begin + i], i);

@@ -1,0 +1,171 @@
+// Bodies of kernels/cpu/hot_loops.h. Included by exactly one .cc per instruction set,
+// inside namespace KVCM_HOT_LOOPS_ISA; deliberately no include guard.
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "kernels/cpu/hot_loops.h"
+#include "kernels/half_float.h"
+
+namespace kvcm::kernels::cpu {
+namespace KVCM_HOT_LOOPS_ISA {
+namespace {
+
+inline uint32_t Bits(float v) { return std::bit_cast<uint32_t>(v); }
+
+// Half-precision rows are widened to float32 a block at a time, then folded by the
+// float32 loop. With F16C (the AVX2 build) float16 uses the hardware conversion, which
+// GCC does not generate from scalar code; elsewhere the integer conversion of
+// kernels/half_float.h, which vectorizes.
+void WidenRow(const uint16_t* src, ScoreDtype dtype, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (dtype == ScoreDtype::kBFloat16) {
+    for (; i < n; ++i) dst[i] = BFloat16ToFloat(src[i]);
+    return;
+  }
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = Float16ToFloat(src[i]);
+}
+
+template <ScoreAggregation A>
+inline float Combine(float m, float s, float keep, float take) {
+  if constexpr (A == ScoreAggregation::kEma) {
+    return keep * m + take * s;
+  } else {
+    return m + s;  // cumulative, and the layer sum of single_step
+  }
+}
+
+// Folds four float32 rows into acc[0, n): the momentum is loaded and stored once per four
+// layers instead of once per layer, while each element still sees the layers one by one
+// in order (the same arithmetic and rounding as one layer per pass). Returns the largest
+// score bit pattern seen.
+template <ScoreAggregation A>
+uint32_t FoldFour(float* acc, int64_t n, const float* r0, const float* r1, const float* r2,
+                  const float* r3, float keep, float take) {
+  uint32_t screen = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float s0 = r0[i], s1 = r1[i], s2 = r2[i], s3 = r3[i];
+    screen = std::max(screen, std::max(std::max(Bits(s0), Bits(s1)),
+                                       std::max(Bits(s2), Bits(s3))));
+    float m = acc[i];
+    m = Combine<A>(m, s0, keep, take);
+    m = Combine<A>(m, s1, keep, take);
+    m = Combine<A>(m, s2, keep, take);
+    m = Combine<A>(m, s3, keep, take);
+    acc[i] = m;
+  }
+  return screen;
+}
+
+template <ScoreAggregation A>
+uint32_t FoldOne(float* acc, int64_t n, const float* r, float keep, float take) {
+  uint32_t screen = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    screen = std::max(screen, Bits(r[i]));
+    acc[i] = Combine<A>(acc[i], r[i], keep, take);
+  }
+  return screen;
+}
+
+constexpr int64_t kBlock = 1024;  // 4 KiB of float32 momentum: stays in L1 across layers
+
+template <ScoreAggregation A>
+uint32_t UpdateTyped(const float* momentum_in, float* momentum_out, int64_t tokens,
+                     const ScoreMatrix& scores, double alpha) {
+  const float keep = static_cast<float>(alpha);
+  const float take = static_cast<float>(1.0 - alpha);
+  const float layer_count = static_cast<float>(scores.layers);
+  const bool widen = scores.dtype != ScoreDtype::kFloat32;
+  uint32_t screen = 0;
+  alignas(64) float acc[kBlock];
+  alignas(64) float widened[4][kBlock];  // half-precision rows of the current pass
+  // Row `layer` of this block as float32 (widened into slot `slot` when needed).
+  auto row = [&](int64_t layer, int64_t base, int64_t n, int slot) -> const float* {
+    if (!widen) return static_cast<const float*>(scores.Row(layer)) + base;
+    WidenRow(static_cast<const uint16_t*>(scores.Row(layer)) + base, scores.dtype, n,
+             widened[slot]);
+    return widened[slot];
+  };
+  for (int64_t base = 0; base < tokens; base += kBlock) {
+    const int64_t n = std::min(kBlock, tokens - base);
+    if constexpr (A == ScoreAggregation::kSingleStep) {
+      std::fill_n(acc, n, 0.0f);
+    } else {
+      std::memcpy(acc, momentum_in + base, static_cast<size_t>(n) * sizeof(float));
+    }
+    int64_t layer = 0;
+    for (; layer + 4 <= scores.layers; layer += 4) {
+      const float* r0 = row(layer, base, n, 0);
+      const float* r1 = row(layer + 1, base, n, 1);
+      const float* r2 = row(layer + 2, base, n, 2);
+      const float* r3 = row(layer + 3, base, n, 3);
+      screen = std::max(screen, FoldFour<A>(acc, n, r0, r1, r2, r3, keep, take));
+    }
+    for (; layer < scores.layers; ++layer) {
+      screen = std::max(screen, FoldOne<A>(acc, n, row(layer, base, n, 0), keep, take));
+    }
+    if constexpr (A == ScoreAggregation::kSingleStep) {
+      for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] / layer_count;
+    }
+    std::memcpy(momentum_out + base, acc, static_cast<size_t>(n) * sizeof(float));
+  }
+  return screen;
+}
+
+uint32_t UpdateMomentum(const float* in, float* out, int64_t tokens, const ScoreMatrix& scores,
+                        ScoreAggregation aggregation, double alpha) {
+  switch (aggregation) {
+    case ScoreAggregation::kEma:
+      return UpdateTyped<ScoreAggregation::kEma>(in, out, tokens, scores, alpha);
+    case ScoreAggregation::kCumulative:
+      return UpdateTyped<ScoreAggregation::kCumulative>(in, out, tokens, scores, alpha);
+    case ScoreAggregation::kSingleStep:
+      return UpdateTyped<ScoreAggregation::kSingleStep>(in, out, tokens, scores, alpha);
+  }
+  return 0;
+}
+
+// Two passes, both vectorizable: the minimum bit pattern (for values >= 0 it orders like
+// the value; the sign bit is masked so that -0.0 ties with +0.0), then its first
+// occurrence.
+inline int32_t OrderBits(float v) { return std::bit_cast<int32_t>(v) & 0x7fffffff; }
+
+int64_t ArgMin(const float* values, int64_t begin, int64_t end) {
+  int32_t lowest = OrderBits(values[begin]);
+  for (int64_t i = begin + 1; i < end; ++i) lowest = std::min(lowest, OrderBits(values[i]));
+  for (int64_t i = begin; i < end; ++i) {
+    if (OrderBits(values[i]) == lowest) return i;
+  }
+  return begin;
+}
+
+double Sum(const float* values, int64_t n) {
+  double lanes[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int lane = 0; lane < 4; ++lane) lanes[lane] += static_cast<double>(values[i + lane]);
+  }
+  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < n; ++i) sum += static_cast<double>(values[i]);
+  return sum;
+}
+
+}  // namespace
+
+const HotLoops& Table() {
+  static const HotLoops table{KVCM_HOT_LOOPS_ISA_NAME, &UpdateMomentum, &ArgMin, &Sum};
+  return table;
+}
+
+}  // namespace KVCM_HOT_LOOPS_ISA
+}  // namespace kvcm::kernels::cpu

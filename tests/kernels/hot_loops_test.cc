@@ -1,0 +1,110 @@
+// The per-instruction-set builds of the hot loops must agree bit for bit: the choice made
+// at run time may change speed, never a decision.
+#include "kernels/cpu/hot_loops.h"
+
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/half_float.h"
+
+namespace kvcm::kernels::cpu {
+namespace {
+
+std::vector<const HotLoops*> Tables() {
+  std::vector<const HotLoops*> tables = {&BaselineHotLoops()};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    tables.push_back(&Avx2HotLoops());
+  }
+#endif
+  return tables;
+}
+
+TEST(HotLoopsTest, SelectedTableIsOneOfTheBuiltOnes) {
+  const std::string isa = SelectedHotLoops().isa;
+  EXPECT_TRUE(isa == "baseline" || isa == "avx2") << isa;
+  if (Tables().size() == 1) GTEST_SKIP() << "only the baseline runs on this CPU";
+}
+
+TEST(HotLoopsTest, UpdateAgreesAcrossInstructionSets) {
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (ScoreDtype dtype : {ScoreDtype::kFloat32, ScoreDtype::kFloat16, ScoreDtype::kBFloat16}) {
+    for (ScoreAggregation agg : {ScoreAggregation::kEma, ScoreAggregation::kCumulative,
+                                 ScoreAggregation::kSingleStep}) {
+      for (int64_t layers : {1, 3, 4, 5, 8, 32}) {
+        for (int64_t tokens : {1, 7, 111, 1024, 1031, 4096}) {
+          const int64_t stride = tokens + 5;
+          std::vector<float> f(static_cast<size_t>(layers * stride));
+          std::vector<uint16_t> h(f.size());
+          for (size_t i = 0; i < f.size(); ++i) {
+            f[i] = u(rng) * (i % 13 == 0 ? 1e-6f : 1.0f);
+            h[i] = dtype == ScoreDtype::kFloat16 ? FloatToFloat16(f[i]) : FloatToBFloat16(f[i]);
+          }
+          const void* data = dtype == ScoreDtype::kFloat32 ? static_cast<const void*>(f.data())
+                                                           : static_cast<const void*>(h.data());
+          const ScoreMatrix m{data, dtype, layers, tokens, stride};
+          std::vector<float> in(static_cast<size_t>(tokens));
+          for (float& v : in) v = u(rng);
+          std::vector<std::vector<float>> outs;
+          std::vector<bool> flagged;
+          for (const HotLoops* t : Tables()) {
+            std::vector<float> out(in.size());
+            const uint32_t screen = t->update_momentum(in.data(), out.data(), tokens, m, agg, 0.8);
+            outs.push_back(out);
+            flagged.push_back(screen > kLargestFiniteBits);
+          }
+          for (size_t t = 1; t < outs.size(); ++t) {
+            ASSERT_EQ(0, std::memcmp(outs[t].data(), outs[0].data(), in.size() * 4))
+                << "dtype " << ScoreDtypeName(dtype) << " layers " << layers << " tokens " << tokens;
+            EXPECT_EQ(flagged[t], flagged[0]);
+          }
+          EXPECT_FALSE(flagged[0]);
+        }
+      }
+    }
+  }
+}
+
+TEST(HotLoopsTest, ScreenTripsOnEveryKindOfBadScoreInEveryTable) {
+  for (const HotLoops* t : Tables()) {
+    for (float bad : {-1.0f, -0.0f, std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()}) {
+      for (int64_t at : {0, 5, 1023, 1024, 2999}) {
+        std::vector<float> s(5 * 3000, 0.5f);
+        s[static_cast<size_t>(4 * 3000 + at)] = bad;  // in the last layer (the single-layer tail)
+        std::vector<float> in(3000, 0.0f), out(3000);
+        const uint32_t screen = t->update_momentum(
+            in.data(), out.data(), 3000, ScoreMatrix::Dense(s.data(), ScoreDtype::kFloat32, 5, 3000),
+            ScoreAggregation::kEma, 0.8);
+        EXPECT_GT(screen, kLargestFiniteBits) << t->isa << " value " << bad << " at " << at;
+      }
+    }
+  }
+}
+
+TEST(HotLoopsTest, ArgMinAndSumAgreeAcrossInstructionSets) {
+  std::mt19937_64 rng(3);
+  for (int round = 0; round < 200; ++round) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 7000);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = static_cast<float>(rng() % 50) / 16.0f;  // many ties
+    const int64_t begin = static_cast<int64_t>(rng() % static_cast<uint64_t>(n));
+    int64_t want = begin;
+    for (int64_t i = begin; i < n; ++i) {
+      if (v[static_cast<size_t>(i)] < v[static_cast<size_t>(want)]) want = i;
+    }
+    for (const HotLoops* t : Tables()) {
+      EXPECT_EQ(t->arg_min(v.data(), begin, n), want) << t->isa;
+      EXPECT_EQ(t->sum(v.data(), n), Tables()[0]->sum(v.data(), n)) << t->isa;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcm::kernels::cpu
