@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Checks of the Helm chart with a real Helm 3 binary.
+
+  check_helm.py --helm PATH lint     helm lint --strict, defaults and every values file
+  check_helm.py --helm PATH render   helm template over the matrix of tests/deploy/values,
+                                     asserting on the rendered objects
+  check_helm.py --helm PATH schema   values.schema.json (and kubeVersion) reject bad values
+"""
+
+import argparse
+import copy
+import json
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import deploylib as dl  # noqa: E402
+
+VALUES_DIR = pathlib.Path(__file__).resolve().parent / "values"
+RELEASE, NAMESPACE = "kvc", "kvcache"
+FULLNAME = f"{RELEASE}-kvcache-manager"
+MONITORING_API = ["--api-versions", "monitoring.coreos.com/v1"]
+
+# (case name, values file, extra helm template arguments, monitoring API served)
+CASES = [
+    ("default", "default.yaml", [], False),
+    ("default on Kubernetes 1.27", "default.yaml", ["--kube-version", "1.27.0"], False),
+    ("deployment", "deployment.yaml", [], False),
+    ("cuda backend with GPUs", "cuda.yaml", [], False),
+    ("cuda backend without a GPU request", "cuda-no-gpu-request.yaml", [], False),
+    ("every daemon flag", "all-flags.yaml", [], False),
+    ("servicemonitor with the monitoring API", "servicemonitor.yaml", MONITORING_API, True),
+    ("servicemonitor without the monitoring API", "servicemonitor.yaml", [], False),
+    ("default with the monitoring API", "default.yaml", MONITORING_API, True),
+    ("pdb", "pdb.yaml", [], False),
+    ("pdb minAvailable", "pdb-min-available.yaml", [], False),
+    ("minimal", "minimal.yaml", [], False),
+]
+
+# (what, helm arguments, text the error must contain): each must make helm template fail.
+REJECTIONS = [
+    ("unknown backend", ["--set", "daemon.backend=tpu"], "daemon.backend"),
+    ("negative gRPC port", ["--set", "ports.grpc=-1"], "ports.grpc"),
+    ("port over 65535", ["--set", "ports.metrics=70000"], "ports.metrics"),
+    ("port as a string", ["--set-string", "ports.grpc=50051"], "ports.grpc"),
+    ("max_sequences not a number", ["--set", "daemon.maxSequences=many"], "daemon.maxSequences"),
+    ("max_sequences zero", ["--set", "daemon.maxSequences=0"], "daemon.maxSequences"),
+    ("pool_memory_bytes negative", ["--set", "daemon.poolMemoryBytes=-5"], "daemon.poolMemoryBytes"),
+    ("tp_ranks zero", ["--set", "daemon.tpRanks=0"], "daemon.tpRanks"),
+    ("idle_timeout without a unit", ["--set", "daemon.idleTimeout=300"], "daemon.idleTimeout"),
+    ("idle_timeout not a duration", ["--set-string", "daemon.idleTimeout=five minutes"], "daemon.idleTimeout"),
+    ("keepalive_time not a duration", ["--set-string", "daemon.keepaliveTime=1x"], "daemon.keepaliveTime"),
+    ("extra arg not a flag", ["--set", "daemon.extraArgs[0]=oops"], "daemon.extraArgs"),
+    ("unknown workload kind", ["--set", "workload.kind=StatefulSet"], "workload.kind"),
+    ("negative replicas", ["--set", "workload.replicas=-1"], "workload.replicas"),
+    ("unknown top-level key", ["--set", "backend=cuda"], "backend"),
+    ("unknown daemon key", ["--set", "daemon.maxSequence=10"], "maxSequence"),
+    ("boolean as a string", ["--set", "serviceMonitor.enabled=yes"], "serviceMonitor.enabled"),
+    ("bad pull policy", ["--set", "image.pullPolicy=Sometimes"], "image.pullPolicy"),
+    ("negative GPU count", ["--set", "gpu.count=-1"], "gpu.count"),
+    ("bad resource quantity", ["--set", "resources.limits.memory=lots"], "resources.limits.memory"),
+    ("bad PDB value", ["--set", "podDisruptionBudget.maxUnavailable=half"], "podDisruptionBudget.maxUnavailable"),
+    ("bad service type", ["--set", "service.type=Ingress"], "service.type"),
+    ("tolerations not a list", ["--set", "tolerations=none"], "tolerations"),
+    ("Kubernetes without gRPC probes", ["--kube-version", "1.26.0"], "kubeVersion"),
+]
+SCHEMA_ERROR = "values don't meet the specifications of the schema"
+
+
+def helm(args, binary):
+    return subprocess.run([binary] + args, capture_output=True, text=True)
+
+
+def merge(base, override):
+    """Helm's coalescing of user values over the chart's: a null deletes the key."""
+    out = copy.deepcopy(base)
+    for k, v in (override or {}).items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def subset(small, big):
+    return all(big.get(k) == v for k, v in (small or {}).items())
+
+
+def expected_args(v):
+    d = v["daemon"]
+    args = [f"--listen=0.0.0.0:{v['ports']['grpc']}",
+            f"--metrics_listen=0.0.0.0:{v['ports']['metrics']}",
+            f"--backend={d['backend']}"]
+    for key, flag in [("maxSequences", "max_sequences"), ("idleTimeout", "idle_timeout"),
+                      ("drainDeadline", "drain_deadline"), ("maxMessageBytes", "max_message_bytes"),
+                      ("maxStreams", "max_streams"), ("keepaliveTime", "keepalive_time"),
+                      ("keepaliveTimeout", "keepalive_timeout"),
+                      ("poolMemoryBytes", "pool_memory_bytes"), ("tpRanks", "tp_ranks")]:
+        if d.get(key) is not None:
+            args.append(f"--{flag}={d[key]}")
+    return args + list(d.get("extraArgs", []))
+
+
+def check_render(name, objs, text, v, api, f):
+    def expect(ok, msg):
+        return f.check(ok, f"[{name}] {msg}")
+
+    by_kind = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], []).append(o)
+        expect(o["metadata"].get("namespace") == (v["dashboard"].get("namespace") or NAMESPACE)
+               if o["kind"] == "ConfigMap" else o["metadata"].get("namespace") == NAMESPACE,
+               f"{o['kind']} {o['metadata']['name']} is not in namespace {NAMESPACE}")
+        labels = o["metadata"].get("labels", {})
+        expect(labels.get("app.kubernetes.io/name") == "kvcache-manager"
+               and labels.get("app.kubernetes.io/instance") == RELEASE,
+               f"{o['kind']} {o['metadata']['name']} lacks the app.kubernetes.io labels")
+    kind = v["workload"]["kind"]
+    other = "Deployment" if kind == "DaemonSet" else "DaemonSet"
+    if not expect(len(by_kind.get(kind, [])) == 1, f"renders {len(by_kind.get(kind, []))} {kind}"):
+        return
+    expect(other not in by_kind, f"renders a {other} besides the {kind}")
+    w = by_kind[kind][0]
+    spec, pod = w["spec"], w["spec"]["template"]["spec"]
+    pod_labels = w["spec"]["template"]["metadata"]["labels"]
+    expect(subset(spec["selector"]["matchLabels"], pod_labels), "selector does not match the pod labels")
+    if kind == "Deployment":
+        expect(spec.get("replicas") == v["workload"]["replicas"], f"replicas {spec.get('replicas')}")
+    else:
+        expect("replicas" not in spec, "a DaemonSet has no replicas")
+    if v["workload"].get("updateStrategy"):
+        key = "strategy" if kind == "Deployment" else "updateStrategy"
+        expect(spec.get(key) == v["workload"]["updateStrategy"], f"{key} not rendered")
+
+    # Pod: restricted security, scheduling.
+    psc = pod.get("securityContext", {})
+    expect(psc.get("runAsNonRoot") is True, "pod runAsNonRoot must be true")
+    expect(isinstance(psc.get("runAsUser"), int) and psc["runAsUser"] > 0, "pod runAsUser must be a non-root UID")
+    expect(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "pod seccompProfile RuntimeDefault")
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        want = v.get(key) or None
+        expect(pod.get(key) == want, f"{key}: rendered {pod.get(key)!r}, values {want!r}")
+    expect(pod.get("runtimeClassName") == (v.get("runtimeClassName") or None), "runtimeClassName")
+    expect(bool(pod.get("hostIPC")) == bool(v.get("hostIPC")), "hostIPC")
+    if v["serviceAccount"]["create"]:
+        sas = by_kind.get("ServiceAccount", [])
+        expect(len(sas) == 1 and sas[0]["metadata"]["name"] == pod.get("serviceAccountName"),
+               "the pod must use the chart's ServiceAccount")
+    else:
+        expect("ServiceAccount" not in by_kind, "serviceAccount.create false renders a ServiceAccount")
+        expect(pod.get("serviceAccountName") == "default", "serviceAccountName must be default")
+    expect(pod.get("automountServiceAccountToken") is False, "automountServiceAccountToken must be false")
+
+    # Container.
+    cs = pod["containers"]
+    if not expect(len(cs) == 1 and cs[0]["name"] == "kvcached", "one container named kvcached"):
+        return
+    c = cs[0]
+    grpc, metrics = v["ports"]["grpc"], v["ports"]["metrics"]
+    expect(c.get("args") == expected_args(v), f"args {c.get('args')} != {expected_args(v)}")
+    expect("command" not in c, "the image's ENTRYPOINT runs kvcached: no command")
+    tag = ("0.1.0-cuda" if v["daemon"]["backend"] == "cuda" else "0.1.0")
+    expect(c["image"] == f"{v['image']['repository']}:{tag}", f"image {c['image']}")
+    ports = {p["name"]: p for p in c.get("ports", [])}
+    expect(ports.get("grpc", {}).get("containerPort") == grpc, f"container port grpc != {grpc}")
+    expect(ports.get("metrics", {}).get("containerPort") == metrics, f"container port metrics != {metrics}")
+    expect(("hostPort" in ports.get("grpc", {})) == bool(v["ports"].get("hostPort")), "hostPort")
+    for probe, key in (("liveness", "livenessProbe"), ("readiness", "readinessProbe"), ("startup", "startupProbe")):
+        pv = v["probes"][probe]
+        if not pv["enabled"]:
+            expect(key not in c, f"{key} rendered although disabled")
+            continue
+        p = c.get(key, {})
+        expect(p.get("grpc") == {"port": grpc, "service": pv["service"]},
+               f"{key} must be grpc {{port: {grpc}, service: {pv['service']!r}}}, got {p.get('grpc')}")
+        expect(not ({"httpGet", "exec", "tcpSocket"} & set(p)), f"{key} has another handler")
+    if name.startswith("default"):
+        expect(c["livenessProbe"]["grpc"]["service"] == "", "liveness checks the whole server")
+        expect(c["readinessProbe"]["grpc"]["service"] == "kvcache.v1.KvCache",
+               "readiness checks kvcache.v1.KvCache")
+    sc = c.get("securityContext", {})
+    expect(sc.get("runAsNonRoot") is True, "container runAsNonRoot must be true")
+    expect(sc.get("readOnlyRootFilesystem") is True, "readOnlyRootFilesystem must be true")
+    expect(sc.get("allowPrivilegeEscalation") is False, "allowPrivilegeEscalation must be false")
+    expect(sc.get("privileged") in (None, False), "privileged must be false")
+    expect(sc.get("capabilities", {}).get("drop") == ["ALL"], "capabilities must drop ALL")
+    expect(not sc.get("capabilities", {}).get("add"), "capabilities must add none")
+    expect(sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", "container seccompProfile RuntimeDefault")
+    mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+    vols = {x["name"]: x for x in pod.get("volumes", [])}
+    expect("/tmp" in mounts and "emptyDir" in vols.get(mounts.get("/tmp"), {}), "/tmp must be an emptyDir")
+
+    # GPUs: nvidia.com/gpu only on the cuda backend with a GPU count.
+    res = c.get("resources", {})
+    gpu_name, count = v["gpu"]["resourceName"], v["gpu"]["count"]
+    if v["daemon"]["backend"] == "cuda" and count > 0:
+        expect(res.get("limits", {}).get(gpu_name) == count, f"limits.{gpu_name} must be {count}")
+        expect(res.get("limits", {}).get("memory") == v["resources"]["limits"]["memory"],
+               "the GPU request must keep the other limits")
+    else:
+        expect(gpu_name not in json.dumps(res), f"{gpu_name} requested without the cuda backend and a count")
+        if v["daemon"]["backend"] != "cuda":
+            expect("nvidia.com/gpu" not in text, "nvidia.com/gpu appears in a host-backend render")
+    for section in ("requests", "limits"):
+        for k, want in (v.get("resources", {}).get(section) or {}).items():
+            expect(res.get(section, {}).get(k) == want, f"resources.{section}.{k} != {want}")
+
+    # Service.
+    svcs = by_kind.get("Service", [])
+    if expect(len(svcs) == 1, f"{len(svcs)} Services"):
+        s = svcs[0]
+        sp = {p["name"]: p for p in s["spec"]["ports"]}
+        expect(sp.get("grpc", {}).get("port") == grpc and sp["grpc"].get("targetPort") == "grpc",
+               "Service port grpc")
+        expect(sp.get("metrics", {}).get("port") == metrics and sp["metrics"].get("targetPort") == "metrics",
+               "Service port metrics")
+        expect(subset(s["spec"]["selector"], pod_labels), "Service selector does not match the pods")
+        want_policy = v["service"].get("internalTrafficPolicy") or ("Local" if kind == "DaemonSet" else None)
+        expect(s["spec"].get("internalTrafficPolicy") == want_policy, "internalTrafficPolicy")
+
+    # ServiceMonitor and PrometheusRule: only when enabled and the API exists.
+    sm_want = v["serviceMonitor"]["enabled"] and api
+    sms = by_kind.get("ServiceMonitor", [])
+    expect(len(sms) == (1 if sm_want else 0),
+           f"{len(sms)} ServiceMonitors (enabled {v['serviceMonitor']['enabled']}, API {api})")
+    if sms and svcs:
+        sm = sms[0]
+        ep = sm["spec"]["endpoints"]
+        expect(len(ep) == 1 and ep[0].get("port") == "metrics" and ep[0].get("path") == "/metrics",
+               "ServiceMonitor must scrape port metrics, path /metrics")
+        expect(ep[0].get("interval") == v["serviceMonitor"]["interval"], "ServiceMonitor interval")
+        expect(subset(sm["spec"]["selector"]["matchLabels"], svcs[0]["metadata"]["labels"]),
+               "ServiceMonitor selector does not match the Service")
+        job = svcs[0]["metadata"]["labels"].get(sm["spec"].get("jobLabel"))
+        expect(job == "kvcached", f'jobLabel gives job {job!r}; the rules expect "kvcached"')
+        expect(sm["spec"].get("namespaceSelector") == {"matchNames": [NAMESPACE]}, "namespaceSelector")
+        expect(subset(v["serviceMonitor"]["labels"], sm["metadata"]["labels"]), "ServiceMonitor labels")
+    pr_want = v["prometheusRule"]["enabled"] and api
+    prs = by_kind.get("PrometheusRule", [])
+    expect(len(prs) == (1 if pr_want else 0),
+           f"{len(prs)} PrometheusRules (enabled {v['prometheusRule']['enabled']}, API {api})")
+    if prs:
+        expect(prs[0]["spec"] == dl.load_rules(), "PrometheusRule spec differs from rules/kvcache.rules.yaml")
+        expect("{{ $labels.pod }}" in text, "PrometheusRule lost the Prometheus templates")
+
+    # PodDisruptionBudget.
+    pdbs = by_kind.get("PodDisruptionBudget", [])
+    pv = v["podDisruptionBudget"]
+    expect(len(pdbs) == (1 if pv["enabled"] else 0), f"{len(pdbs)} PodDisruptionBudgets")
+    if pdbs:
+        p = pdbs[0]
+        expect(p["apiVersion"] == "policy/v1", "PodDisruptionBudget must be policy/v1")
+        expect(subset(p["spec"]["selector"]["matchLabels"], pod_labels), "PDB selector does not match the pods")
+        if pv.get("minAvailable") is not None:
+            expect(p["spec"] == {"minAvailable": pv["minAvailable"], "selector": p["spec"]["selector"]},
+                   f"PDB must set only minAvailable {pv['minAvailable']}")
+        else:
+            expect(p["spec"].get("maxUnavailable") == pv["maxUnavailable"] and "minAvailable" not in p["spec"],
+                   f"PDB must set only maxUnavailable {pv['maxUnavailable']}")
+
+    # Dashboard ConfigMap.
+    cms = [o for o in by_kind.get("ConfigMap", []) if o["metadata"]["name"] == f"{FULLNAME}-dashboard"]
+    expect(len(cms) == (1 if v["dashboard"]["enabled"] else 0), f"{len(cms)} dashboard ConfigMaps")
+    if cms:
+        cm = cms[0]
+        expect(cm["metadata"]["labels"].get("grafana_dashboard") == "1", 'label grafana_dashboard: "1"')
+        expect(json.loads(cm["data"]["kvcache.json"]) == dl.load_dashboard(),
+               "the ConfigMap's dashboard differs from dashboards/kvcache.json")
+
+
+def run_lint(args, f):
+    files = [None] + sorted(VALUES_DIR.glob("*.yaml"))
+    for values in files:
+        extra = ["-f", str(values)] if values else []
+        r = helm(["lint", "--strict", str(dl.CHART)] + extra, args.helm)
+        what = values.name if values else "chart defaults"
+        f.check(r.returncode == 0, f"helm lint --strict ({what}):\n{r.stdout}{r.stderr}")
+        print(f"lint {what}: {'ok' if r.returncode == 0 else 'FAILED'}")
+    f.exit("helm lint")
+
+
+def run_render(args, f):
+    defaults = yaml.safe_load((dl.CHART / "values.yaml").read_text())
+    used = {c[1] for c in CASES}
+    for p in sorted(VALUES_DIR.glob("*.yaml")):
+        f.check(p.name in used, f"values/{p.name} is in no case of check_helm.py")
+    for name, file, extra, api in CASES:
+        values_file = VALUES_DIR / file
+        r = helm(["template", RELEASE, str(dl.CHART), "--namespace", NAMESPACE,
+                  "-f", str(values_file)] + extra, args.helm)
+        if not f.check(r.returncode == 0, f"[{name}] helm template failed:\n{r.stderr}"):
+            continue
+        try:
+            objs = dl.load_all_unique(r.stdout)
+        except yaml.YAMLError as e:
+            f.fail(f"[{name}] rendered YAML does not parse: {e}")
+            continue
+        v = merge(defaults, yaml.safe_load(values_file.read_text()))
+        before = len(f.items)
+        check_render(name, objs, r.stdout, v, api, f)
+        kinds = ", ".join(sorted(o["kind"] for o in objs))
+        print(f"render {name}: {'ok' if len(f.items) == before else 'FAILED'} ({kinds})")
+    f.exit("helm template matrix")
+
+
+def run_schema(args, f):
+    base = ["template", RELEASE, str(dl.CHART), "--namespace", NAMESPACE]
+    r = helm(base, args.helm)
+    f.check(r.returncode == 0, f"the defaults must render:\n{r.stderr}")
+    for what, extra, needle in REJECTIONS:
+        r = helm(base + extra, args.helm)
+        if not f.check(r.returncode != 0, f"{what} ({' '.join(extra)}) was accepted"):
+            continue
+        ok = needle in r.stderr and (SCHEMA_ERROR in r.stderr or needle == "kubeVersion")
+        f.check(ok, f"{what} ({' '.join(extra)}) failed for another reason:\n{r.stderr.strip()}")
+        print(f"rejects {what}: {'ok' if ok else 'FAILED'}")
+    f.exit("values.schema.json rejections")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--helm", required=True, help="the helm binary (tests/deploy/fetch_helm.sh)")
+    ap.add_argument("mode", choices=["lint", "render", "schema"])
+    args = ap.parse_args()
+    if not pathlib.Path(args.helm).is_file():
+        sys.exit(f"{args.helm} not found: run tests/deploy/fetch_helm.sh (ctest runs it as deploy_helm_fetch)")
+    {"lint": run_lint, "render": run_render, "schema": run_schema}[args.mode](args, dl.Failures())
+
+
+if __name__ == "__main__":
+    main()
