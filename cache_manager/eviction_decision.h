@@ -3,7 +3,10 @@
 #define KVCM_CACHE_MANAGER_EVICTION_DECISION_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "cache_manager/policy.h"
 
 namespace kvcm {
 
@@ -16,6 +19,10 @@ struct EvictionDecision {
   // whether scores were sent on a step that did not need them (ignored).
   bool scored = false;
   bool scores_ignored = false;
+  // The policy that decided (for per-policy accounting): its preset name, empty for a
+  // policy given field by field, and its aggregation.
+  std::string preset;
+  Aggregation aggregation = Aggregation::kEma;
 
   // Clears for reuse, keeping the capacity of `evicted`.
   void Reset() {

@@ -142,6 +142,8 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
   decision->next_needs_scores = policy_.IsScoringStep(step + 1);
   decision->scored = scoring;
   decision->scores_ignored = !scoring && has_scores;
+  decision->preset = policy_.preset;
+  decision->aggregation = policy_.aggregation;
   return absl::OkStatus();
 }
 

@@ -46,7 +46,8 @@ absl::Status SequenceTable::NotFound(absl::string_view id) const {
 
 absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
                                                  const SequenceOptions& options,
-                                                 int32_t tp_world_size) {
+                                                 int32_t tp_world_size,
+                                                 kernels::ScoreDtype score_dtype) {
   if (id.empty() || id.size() > kMaxIdLength) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence id must be 1 to ", kMaxIdLength, " bytes (got ", id.size(), ")"));
@@ -58,7 +59,7 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   }
   // Build outside the table lock: the prefill cache of a long context takes a moment.
   ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, Sequence::Create(id, options));
-  auto entry = std::make_shared<Entry>(std::move(sequence), tp_world_size);
+  auto entry = std::make_shared<Entry>(std::move(sequence), tp_world_size, score_dtype);
   SequenceInfo info;
   {
     absl::MutexLock entry_lock(&entry->mu);
@@ -85,7 +86,7 @@ std::vector<RankDecisionCallback> SequenceTable::Abandon(Entry& entry) {
   return std::exchange(entry.waiting, {});
 }
 
-absl::Status SequenceTable::Close(absl::string_view id) {
+absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id) {
   std::shared_ptr<Entry> entry;
   {
     absl::MutexLock lock(&mu_);
@@ -94,10 +95,21 @@ absl::Status SequenceTable::Close(absl::string_view id) {
     entry = std::move(it->second);
     entries_.erase(it);
   }
+  SequenceInfo last;
+  {
+    absl::MutexLock lock(&entry->mu);
+    last = Snapshot(*entry, /*with_cache=*/false);
+  }
   std::vector<RankDecisionCallback> callbacks = Abandon(*entry);
   RunCallbacks(callbacks, absl::AbortedError(absl::StrCat(
                               "sequence '", id, "' was closed while its step waited for ranks")));
-  return absl::OkStatus();
+  return last;
+}
+
+absl::StatusOr<kernels::ScoreDtype> SequenceTable::DefaultScoreDtype(absl::string_view id) const {
+  std::shared_ptr<Entry> entry = Find(id);
+  if (entry == nullptr) return NotFound(id);
+  return entry->score_dtype;
 }
 
 absl::Status SequenceTable::Step(absl::string_view id, int64_t step,
@@ -127,29 +139,57 @@ absl::Status SequenceTable::SubmitRankReport(absl::string_view id, const RankRep
     absl::MutexLock lock(&entry->mu);
     if (entry->closed) return NotFound(id);
     Sequence& sequence = *entry->sequence;
+    if (entry->join.world_size() == 1 && report.head_count == 0) {
+      // Already pooled by a single-rank worker: step in place, no copy, no join.
+      if (report.rank != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence '", id, "' step ", report.step, ": rank ", report.rank,
+            " reported for a sequence with a single rank"));
+      }
+      RETURN_IF_ERROR(sequence.Step(report.step, &report.partial_sums, &entry->decision));
+      entry->last_active = clock_->Now();
+      result = entry->decision;
+    } else {
+      RETURN_IF_ERROR(AddToJoin(*entry, id, report, std::move(on_decided), &result, &callbacks));
+      if (callbacks.empty()) return absl::OkStatus();  // waiting for the other ranks
+    }
+  }
+  if (callbacks.empty()) {
+    std::move(on_decided)(result);
+  } else {
+    RunCallbacks(callbacks, result);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::AddToJoin(Entry& entry, absl::string_view id, const RankReport& report,
+                                      RankDecisionCallback on_decided,
+                                      absl::StatusOr<EvictionDecision>* result,
+                                      std::vector<RankDecisionCallback>* callbacks) {
+  {
+    Sequence& sequence = *entry.sequence;
     const int64_t step = sequence.last_step() + 1;
     const JoinExpectation expect{id, step, sequence.next_score_length(),
                                  sequence.policy().IsScoringStep(step)};
-    RETURN_IF_ERROR(entry->join.Add(report, expect));
-    entry->last_active = clock_->Now();
-    entry->waiting.push_back(std::move(on_decided));
-    if (!entry->join.complete()) return absl::OkStatus();
+    RETURN_IF_ERROR(entry.join.Add(report, expect));
+    entry.last_active = clock_->Now();
+    entry.waiting.push_back(std::move(on_decided));
+    if (!entry.join.complete()) return absl::OkStatus();
 
-    const kernels::ScoreMatrix joined = entry->join.Join();
-    const bool ignored = entry->join.any_scores_ignored();
-    absl::Status status = sequence.Step(step, &joined, &entry->decision);
+    const kernels::ScoreMatrix joined = entry.join.Join();
+    const bool ignored = entry.join.any_scores_ignored();
+    absl::Status status = sequence.Step(step, &joined, &entry.decision);
     if (status.ok()) {
       // The ranks' scores on a non-scoring step never reach Sequence::Step (the join drops
       // them), so the accounting of ignored scores happens here.
-      entry->decision.scores_ignored = entry->decision.scores_ignored || ignored;
-      result = entry->decision;
+      entry.decision.scores_ignored = entry.decision.scores_ignored || ignored;
+      *result = entry.decision;
     } else {
-      result = status;
+      *result = status;
     }
-    entry->join.Reset();
-    callbacks = std::exchange(entry->waiting, {});
+    entry.join.Reset();
+    *callbacks = std::exchange(entry.waiting, {});
   }
-  RunCallbacks(callbacks, result);
   return absl::OkStatus();
 }
 
@@ -157,6 +197,7 @@ SequenceInfo SequenceTable::Snapshot(const Entry& entry, bool with_cache) {
   const Sequence& s = *entry.sequence;
   SequenceInfo info;
   info.id = s.id();
+  info.score_dtype = entry.score_dtype;
   info.prefill_len = s.prefill_len();
   info.budget = s.budget();
   info.policy = s.policy();
@@ -219,7 +260,7 @@ SequenceTableTotals SequenceTable::Totals() const {
   return totals;
 }
 
-std::vector<std::string> SequenceTable::ReclaimIdle(absl::Duration idle_timeout) {
+std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout) {
   const absl::Time cutoff = clock_->Now() - idle_timeout;
   std::vector<std::pair<std::string, std::shared_ptr<Entry>>> idle;
   {
@@ -241,17 +282,20 @@ std::vector<std::string> SequenceTable::ReclaimIdle(absl::Duration idle_timeout)
       }
     }
   }
-  std::vector<std::string> ids;
-  ids.reserve(idle.size());
+  std::vector<SequenceInfo> reclaimed;
+  reclaimed.reserve(idle.size());
   for (auto& [id, entry] : idle) {
+    {
+      absl::MutexLock lock(&entry->mu);
+      reclaimed.push_back(Snapshot(*entry, /*with_cache=*/false));
+    }
     std::vector<RankDecisionCallback> callbacks = Abandon(*entry);
     RunCallbacks(callbacks,
                  absl::AbortedError(absl::StrCat("sequence '", id,
                                                  "' was reclaimed after idling while its "
                                                  "step waited for ranks")));
-    ids.push_back(std::move(id));
   }
-  return ids;
+  return reclaimed;
 }
 
 }  // namespace kvcm

@@ -37,6 +37,7 @@ struct SequenceTableOptions {
 // A snapshot of one sequence.
 struct SequenceInfo {
   std::string id;
+  kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32;
   int64_t prefill_len = 0;
   int64_t budget = 0;
   Policy policy;
@@ -71,14 +72,19 @@ class SequenceTable {
   SequenceTable(const SequenceTable&) = delete;
   SequenceTable& operator=(const SequenceTable&) = delete;
 
-  // Registers a sequence. Errors: INVALID_ARGUMENT (options, id, world size),
-  // ALREADY_EXISTS, RESOURCE_EXHAUSTED (max_sequences reached).
-  absl::StatusOr<SequenceInfo> Open(std::string id, const SequenceOptions& options,
-                                    int32_t tp_world_size = 1);
+  // Registers a sequence reported by `tp_world_size` ranks, whose reports carry
+  // `score_dtype` unless they say otherwise. Errors: INVALID_ARGUMENT (options, id, world
+  // size), ALREADY_EXISTS, RESOURCE_EXHAUSTED (max_sequences reached).
+  absl::StatusOr<SequenceInfo> Open(
+      std::string id, const SequenceOptions& options, int32_t tp_world_size = 1,
+      kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32);
 
-  // Forgets a sequence; a pending tensor-parallel step is abandoned (ABORTED to its
-  // waiting ranks). NOT_FOUND when unknown.
-  absl::Status Close(absl::string_view id);
+  // Forgets a sequence and returns its last snapshot; a pending tensor-parallel step is
+  // abandoned (ABORTED to its waiting ranks). NOT_FOUND when unknown.
+  absl::StatusOr<SequenceInfo> Close(absl::string_view id);
+
+  // The score dtype a sequence's reports carry unless they say otherwise.
+  absl::StatusOr<kernels::ScoreDtype> DefaultScoreDtype(absl::string_view id) const;
 
   // One step of a single-rank sequence with already pooled scores (see Sequence::Step).
   // `decision` is overwritten and its capacity reused. NOT_FOUND when unknown;
@@ -86,8 +92,9 @@ class SequenceTable {
   absl::Status Step(absl::string_view id, int64_t step, const kernels::ScoreMatrix* scores,
                     EvictionDecision* decision);
 
-  // One rank's report for a step of a sequence opened with tp_world_size ranks (1 works
-  // too: the report is then divided by its head count). On error the report is rejected,
+  // One rank's report for a step of a sequence opened with tp_world_size ranks. A
+  // single-rank sequence accepts already pooled scores (head_count 0, stepped in place
+  // without a copy) or a head sum with its head count. On error the report is rejected,
   // `on_decided` is not called, and nothing changes. Otherwise `on_decided` is called once:
   // immediately if this report completes the step, later otherwise.
   absl::Status SubmitRankReport(absl::string_view id, const RankReport& report,
@@ -99,16 +106,17 @@ class SequenceTable {
   SequenceTableTotals Totals() const;
 
   // Closes every sequence not stepped, opened or inspected for `idle_timeout`; returns
-  // their ids.
-  std::vector<std::string> ReclaimIdle(absl::Duration idle_timeout);
+  // their last snapshots.
+  std::vector<SequenceInfo> ReclaimIdle(absl::Duration idle_timeout);
 
  private:
   struct Entry {
-    explicit Entry(std::unique_ptr<Sequence> s, int32_t world_size)
-        : sequence(std::move(s)), join(world_size) {}
+    Entry(std::unique_ptr<Sequence> s, int32_t world_size, kernels::ScoreDtype dtype)
+        : sequence(std::move(s)), join(world_size), score_dtype(dtype) {}
     mutable absl::Mutex mu;
     std::unique_ptr<Sequence> sequence ABSL_GUARDED_BY(mu);
     TensorParallelJoin join ABSL_GUARDED_BY(mu);
+    const kernels::ScoreDtype score_dtype;
     std::vector<RankDecisionCallback> waiting ABSL_GUARDED_BY(mu);
     EvictionDecision decision ABSL_GUARDED_BY(mu);  // reused by tensor-parallel steps
     absl::Time last_active ABSL_GUARDED_BY(mu);
@@ -119,6 +127,13 @@ class SequenceTable {
   absl::Status NotFound(absl::string_view id) const;
   static SequenceInfo Snapshot(const Entry& entry, bool with_cache)
       ABSL_SHARED_LOCKS_REQUIRED(entry.mu);
+  // Adds `report` to the entry's pending step. When it completes the step, runs it and
+  // moves every waiting callback (this report's included) to `callbacks` with the result.
+  absl::Status AddToJoin(Entry& entry, absl::string_view id, const RankReport& report,
+                         RankDecisionCallback on_decided,
+                         absl::StatusOr<EvictionDecision>* result,
+                         std::vector<RankDecisionCallback>* callbacks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(entry.mu);
   // Marks `entry` closed and hands back the callbacks of its pending step.
   static std::vector<RankDecisionCallback> Abandon(Entry& entry) ABSL_LOCKS_EXCLUDED(entry.mu);
 

@@ -61,7 +61,7 @@ class EmbeddedBackend : public ReplayBackend {
     return table_.Inspect(id, /*with_cache=*/true);
   }
 
-  absl::Status Close(const std::string& id) override { return table_.Close(id); }
+  absl::Status Close(const std::string& id) override { return table_.Close(id).status(); }
 
  private:
   SequenceTable table_;

@@ -53,6 +53,7 @@ TEST(SequenceTableConcurrencyTest, ManyThreadsOnManySequences) {
         }
         if (s % 3 != 0) {
           ASSERT_TRUE(table.Close(id).ok());
+
         }
       }
     });

@@ -45,8 +45,10 @@ TEST(SequenceTableTest, OpenStepInspectClose) {
   EXPECT_EQ(table.List().size(), 1u);
   EXPECT_EQ(table.Totals().open_sequences, 1);
   EXPECT_EQ(table.Totals().cached_tokens, 4);
-  ASSERT_TRUE(table.Close("a").ok());
-  EXPECT_EQ(table.Close("a").code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<SequenceInfo> closed = table.Close("a");
+  ASSERT_TRUE(closed.ok());
+  EXPECT_EQ(closed->stats.tokens_evicted, 7);
+  EXPECT_EQ(table.Close("a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(table.Inspect("a", false).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(table.Step("a", 2, nullptr, &d).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(table.List().empty());
@@ -107,7 +109,10 @@ TEST(SequenceTableTest, ReclaimsIdleSequencesAndAbortsTheirWaitingRanks) {
   EvictionDecision d;
   ASSERT_TRUE(table.Step("busy", 1, nullptr, &d).ok());
   clock.Advance(absl::Seconds(20));
-  EXPECT_TRUE(table.ReclaimIdle(absl::Seconds(60)).size() == 1);
+  const std::vector<SequenceInfo> reclaimed = table.ReclaimIdle(absl::Seconds(60));
+  ASSERT_EQ(reclaimed.size(), 1u);
+  EXPECT_EQ(reclaimed[0].id, "idle");
+  EXPECT_EQ(reclaimed[0].policy.preset, "streaming_llm");
   ASSERT_EQ(results.size(), 1u);
   EXPECT_EQ(results[0].code(), absl::StatusCode::kAborted);
   EXPECT_THAT(results[0].message(), HasSubstr("reclaimed"));
@@ -115,7 +120,9 @@ TEST(SequenceTableTest, ReclaimsIdleSequencesAndAbortsTheirWaitingRanks) {
   EXPECT_TRUE(table.Inspect("busy", false).ok());
   // Inspect counts as activity; 60 s later without it, "busy" goes too.
   clock.Advance(absl::Seconds(61));
-  EXPECT_EQ(table.ReclaimIdle(absl::Seconds(60)), std::vector<std::string>{"busy"});
+  const std::vector<SequenceInfo> second = table.ReclaimIdle(absl::Seconds(60));
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].id, "busy");
 }
 
 TEST(SequenceTableTest, ClosingAbortsRanksWaitingOnAStep) {
@@ -161,6 +168,35 @@ TEST(SequenceTableTest, RejectedRankReportChangesNothing) {
   ASSERT_TRUE(table.SubmitRankReport("tp", r, cb).ok());
   EXPECT_TRUE(called);
   EXPECT_EQ(table.Inspect("tp", false)->last_step, 1);
+}
+
+TEST(SequenceTableTest, PooledSingleRankReportStepsInPlace) {
+  SequenceTable table;
+  ASSERT_TRUE(table.Open("one", Options(3, 2, "tova"), 1, kernels::ScoreDtype::kFloat16).ok());
+  EXPECT_EQ(*table.DefaultScoreDtype("one"), kernels::ScoreDtype::kFloat16);
+  EXPECT_EQ(table.DefaultScoreDtype("two").status().code(), absl::StatusCode::kNotFound);
+  std::vector<float> pooled = {1.0f, 0.1f, 0.5f, 0.2f};
+  RankReport r;
+  r.step = 1;
+  r.partial_sums = kernels::ScoreMatrix::Dense(pooled.data(), kernels::ScoreDtype::kFloat32, 1, 4);
+  RankReport wrong_rank = r;
+  wrong_rank.rank = 1;
+  auto ignore = [](const absl::StatusOr<EvictionDecision>&) {};
+  EXPECT_EQ(table.SubmitRankReport("one", wrong_rank, ignore).code(),
+            absl::StatusCode::kInvalidArgument);
+  RankReport bad_step = r;
+  bad_step.step = 2;
+  EXPECT_EQ(table.SubmitRankReport("one", bad_step, ignore).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EvictionDecision got;
+  ASSERT_TRUE(table
+                  .SubmitRankReport("one", r,
+                                    [&](const absl::StatusOr<EvictionDecision>& d) { got = *d; })
+                  .ok());
+  EXPECT_EQ(got.evicted, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(got.preset, "tova");
+  EXPECT_EQ(got.aggregation, Aggregation::kSingleStep);
+  EXPECT_EQ(table.Inspect("one", false)->score_dtype, kernels::ScoreDtype::kFloat16);
 }
 
 TEST(SequenceTableTest, SingleRankReportIsDividedByItsHeadCount) {
