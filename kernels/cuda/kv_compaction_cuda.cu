@@ -1,7 +1,7 @@
 // CUDA kernel of kernels/cuda/kv_compaction_cuda.h.
 //
 // A "row" is one token's K or V in one layer: TokenBytes contiguous bytes at both ends of
-// a move. A team of threads (a warp or more) copies one row in the widest unit that the
+// a move. A team of threads (32, 64, 128 or 256) copies one row in the widest unit that the
 // row size and the storage alignment allow (16, 8, 4 or 2 bytes); a 256-thread block
 // carries 256 / team rows at a time and walks the rows grid-stride.
 #include <cuda_runtime.h>
@@ -40,8 +40,10 @@ template <typename Unit>
 void Launch(void* storage, const KvBlockLayout& layout, const KvMove* moves, int64_t rows,
             cudaStream_t stream) {
   const int64_t units = layout.TokenBytes() / static_cast<int64_t>(sizeof(Unit));
-  // Team size: the row's units rounded up to a warp, at most the block.
-  const int team = units >= kThreads ? kThreads : static_cast<int>((units + 31) / 32 * 32);
+  // Team size: the row's units rounded up to a power of two from a warp to the block, so
+  // teams tile the block exactly.
+  int team = 32;
+  while (team < kThreads && team < units) team *= 2;
   const int64_t rows_per_block = kThreads / team;
   int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   blocks = blocks < 1 ? 1 : (blocks > (1 << 20) ? (1 << 20) : blocks);
