@@ -1,0 +1,392 @@
+// Parity of the CUDA kernels with the CPU reference: both run on the same seeded inputs
+// at odd sizes (1, 7, 111, 4096, 65537) with strided layers, and every element must match
+// bit for bit. The one tolerance: MeanMomentum sums in a different (fixed) order, so its
+// double result may differ by the rounding of two double sums of n terms:
+// |gpu - cpu| <= 2 eps n mean (eps = DBL_EPSILON).
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/kv_compaction_cuda.h"
+#include "kernels/cuda/momentum_update_cuda.h"
+#include "kernels/cuda/score_validation_cuda.h"
+#include "kernels/cuda/selection_cuda.h"
+#include "kernels/half_float.h"
+#include "kernels/kv_compaction.h"
+#include "kernels/momentum_update.h"
+#include "kernels/score_validation.h"
+#include "kernels/selection.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace kvcm::kernels {
+namespace {
+
+using testing::DeviceArray;
+
+constexpr int64_t kSizes[] = {1, 7, 111, 4096, 65537};
+constexpr ScoreDtype kDtypes[] = {ScoreDtype::kFloat32, ScoreDtype::kFloat16,
+                                  ScoreDtype::kBFloat16};
+constexpr int64_t kLayers = 5;
+constexpr int64_t kPad = 3;  // layer_stride = tokens + kPad
+
+// Scores of one dtype, rows `tokens + pad` apart. The padding holds -1 (an invalid score),
+// so a kernel that ignores the stride is caught by its invalid count.
+struct HostScores {
+  ScoreDtype dtype;
+  int64_t layers;
+  int64_t tokens;
+  int64_t stride;
+  std::vector<uint8_t> bytes;
+
+  ScoreMatrix At(const void* data) const { return ScoreMatrix{data, dtype, layers, tokens, stride}; }
+  ScoreMatrix Host() const { return At(bytes.data()); }
+};
+
+void Store(ScoreDtype dtype, float v, uint8_t* dst) {
+  if (dtype == ScoreDtype::kFloat32) {
+    std::memcpy(dst, &v, 4);
+    return;
+  }
+  const uint16_t h = dtype == ScoreDtype::kFloat16 ? FloatToFloat16(v) : FloatToBFloat16(v);
+  std::memcpy(dst, &h, 2);
+}
+
+// `bad` elements (at random places) are negative, NaN or infinite.
+HostScores MakeScores(ScoreDtype dtype, int64_t layers, int64_t tokens, int64_t pad,
+                      uint64_t seed, int bad = 0) {
+  HostScores s{dtype, layers, tokens, tokens + pad, {}};
+  const size_t size = ScoreDtypeSize(dtype);
+  s.bytes.resize(static_cast<size_t>(layers * s.stride) * size);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t i = 0; i < s.stride; ++i) {
+      const float v = i < tokens ? uniform(rng) : -1.0f;
+      Store(dtype, v, s.bytes.data() + static_cast<size_t>(l * s.stride + i) * size);
+    }
+  }
+  const float poison[] = {-0.5f, std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity()};
+  for (int b = 0; b < bad; ++b) {
+    const int64_t l = static_cast<int64_t>(rng() % static_cast<uint64_t>(layers));
+    const int64_t i = static_cast<int64_t>(rng() % static_cast<uint64_t>(tokens));
+    Store(dtype, poison[b % 3], s.bytes.data() + static_cast<size_t>(l * s.stride + i) * size);
+  }
+  return s;
+}
+
+std::vector<float> RandomMomentum(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(0.0f, 2.0f);
+  std::vector<float> m(static_cast<size_t>(n));
+  for (float& x : m) x = uniform(rng);
+  return m;
+}
+
+// Index of the first element whose bits differ, or -1.
+template <typename T>
+int64_t FirstMismatch(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+std::string Describe(ScoreDtype dtype, int64_t n) {
+  return std::string(ScoreDtypeName(dtype)) + " n=" + std::to_string(n);
+}
+
+class ScoreKernelParityTest
+    : public ::testing::TestWithParam<std::tuple<int64_t, ScoreDtype>> {
+ protected:
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
+  int64_t n() const { return std::get<0>(GetParam()); }
+  ScoreDtype dtype() const { return std::get<1>(GetParam()); }
+};
+
+TEST_P(ScoreKernelParityTest, UpdateMomentumIsBitIdenticalForEveryAggregation) {
+  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 11 + static_cast<uint64_t>(n()));
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  const std::vector<float> momentum = RandomMomentum(n(), 5);
+  const MomentumUpdateOptions cases[] = {
+      {ScoreAggregation::kEma, 0.8},        {ScoreAggregation::kEma, 0.0},
+      {ScoreAggregation::kEma, 0.37},       {ScoreAggregation::kCumulative, 0.8},
+      {ScoreAggregation::kSingleStep, 0.8},
+  };
+  for (const MomentumUpdateOptions& options : cases) {
+    SCOPED_TRACE(Describe(dtype(), n()) + " aggregation " +
+                 std::to_string(static_cast<int>(options.aggregation)) + " alpha " +
+                 std::to_string(options.alpha));
+    std::vector<float> cpu_out(momentum.size());
+    int64_t cpu_invalid = -1;
+    cpu::UpdateMomentum(momentum.data(), cpu_out.data(), n(), scores.Host(), options,
+                        &cpu_invalid, nullptr);
+
+    // Out of place, then in place (momentum_out aliasing momentum_in).
+    DeviceArray<float> in(momentum);
+    DeviceArray<float> out(momentum.size());
+    DeviceArray<int64_t> invalid(1);
+    cuda::UpdateMomentum(in.get(), out.get(), n(), scores.At(device_scores.get()), options,
+                         invalid.get(), nullptr);
+    KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
+    EXPECT_EQ(invalid.Download()[0], 0);
+    EXPECT_EQ(cpu_invalid, 0);
+    EXPECT_EQ(FirstMismatch(out.Download(), cpu_out), -1);
+
+    cuda::UpdateMomentum(in.get(), in.get(), n(), scores.At(device_scores.get()), options,
+                         invalid.get(), nullptr);
+    KVCM_ASSERT_KERNELS_OK("UpdateMomentum in place");
+    EXPECT_EQ(FirstMismatch(in.Download(), cpu_out), -1);
+  }
+}
+
+TEST_P(ScoreKernelParityTest, InvalidScoresAreCountedAlike) {
+  const int bad = n() >= 7 ? 7 : 1;
+  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 99, bad);
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  const std::vector<float> momentum = RandomMomentum(n(), 6);
+
+  int64_t cpu_update = -1;
+  std::vector<float> cpu_out(momentum.size());
+  cpu::UpdateMomentum(momentum.data(), cpu_out.data(), n(), scores.Host(), {}, &cpu_update,
+                      nullptr);
+  int64_t cpu_count = -1;
+  cpu::CountInvalidScores(scores.Host(), &cpu_count, nullptr);
+  ASSERT_GT(cpu_count, 0);
+  EXPECT_EQ(cpu_update, cpu_count);
+
+  DeviceArray<float> in(momentum);
+  DeviceArray<int64_t> invalid(1);
+  cuda::UpdateMomentum(in.get(), in.get(), n(), scores.At(device_scores.get()), {},
+                       invalid.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
+  EXPECT_EQ(invalid.Download()[0], cpu_count);
+  cuda::CountInvalidScores(scores.At(device_scores.get()), invalid.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("CountInvalidScores");
+  EXPECT_EQ(invalid.Download()[0], cpu_count);
+}
+
+TEST_P(ScoreKernelParityTest, ValidScoresCountZero) {
+  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 3);
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  DeviceArray<int64_t> invalid(std::vector<int64_t>{12345});
+  cuda::CountInvalidScores(scores.At(device_scores.get()), invalid.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("CountInvalidScores");
+  EXPECT_EQ(invalid.Download()[0], 0);
+}
+
+TEST_P(ScoreKernelParityTest, ConvertToFloat32IsExact) {
+  const HostScores scores = MakeScores(dtype(), 1, n(), 0, 21);
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  std::vector<float> cpu_out(static_cast<size_t>(n()));
+  cpu::ConvertToFloat32(scores.bytes.data(), dtype(), n(), cpu_out.data(), nullptr);
+  DeviceArray<float> out(static_cast<size_t>(n()));
+  cuda::ConvertToFloat32(device_scores.get(), dtype(), n(), out.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("ConvertToFloat32");
+  EXPECT_EQ(FirstMismatch(out.Download(), cpu_out), -1);
+}
+
+TEST_P(ScoreKernelParityTest, JoinRankPartialsIsBitIdentical) {
+  for (int64_t ranks : {1, 2, 3, 8}) {
+    SCOPED_TRACE(Describe(dtype(), n()) + " ranks " + std::to_string(ranks));
+    std::vector<HostScores> host;
+    std::vector<std::unique_ptr<DeviceArray<uint8_t>>> device;
+    std::vector<ScoreMatrix> host_views;
+    std::vector<ScoreMatrix> device_views;
+    for (int64_t r = 0; r < ranks; ++r) {
+      // Mixed dtypes and strides across ranks.
+      const ScoreDtype d = kDtypes[(static_cast<size_t>(dtype()) + static_cast<size_t>(r)) % 3];
+      host.push_back(MakeScores(d, kLayers, n(), r + 1, 1000 + static_cast<uint64_t>(r)));
+    }
+    for (const HostScores& h : host) {
+      device.push_back(std::make_unique<DeviceArray<uint8_t>>(h.bytes));
+      host_views.push_back(h.Host());
+      device_views.push_back(h.At(device.back()->get()));
+    }
+    const int64_t heads = 2 * ranks + 1;
+    std::vector<float> cpu_out(static_cast<size_t>(kLayers * n()));
+    cpu::JoinRankPartials(host_views.data(), ranks, heads, cpu_out.data(), nullptr);
+    DeviceArray<float> out(cpu_out.size());
+    cuda::JoinRankPartials(device_views.data(), ranks, heads, out.get(), nullptr);
+    KVCM_ASSERT_KERNELS_OK("JoinRankPartials");
+    EXPECT_EQ(FirstMismatch(out.Download(), cpu_out), -1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    SizesAndDtypes, ScoreKernelParityTest,
+    ::testing::Combine(::testing::ValuesIn(kSizes), ::testing::ValuesIn(kDtypes)),
+    [](const ::testing::TestParamInfo<std::tuple<int64_t, ScoreDtype>>& param_info) {
+      return std::string(ScoreDtypeName(std::get<1>(param_info.param))) + "_n" +
+             std::to_string(std::get<0>(param_info.param));
+    });
+
+class ArrayKernelParityTest : public ::testing::TestWithParam<int64_t> {
+ protected:
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
+  int64_t n() const { return GetParam(); }
+};
+
+TEST_P(ArrayKernelParityTest, MeanMomentumAgreesWithinTheRoundingOfADoubleSum) {
+  const std::vector<float> momentum = RandomMomentum(n(), 8);
+  double cpu_mean = -1.0;
+  cpu::MeanMomentum(momentum.data(), n(), &cpu_mean, nullptr);
+  DeviceArray<float> device(momentum);
+  DeviceArray<double> mean(1);
+  cuda::MeanMomentum(device.get(), n(), mean.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("MeanMomentum");
+  const double sum = std::accumulate(momentum.begin(), momentum.end(), 0.0);
+  const double tolerance = 2.0 * DBL_EPSILON * sum;  // = 2 eps n mean
+  EXPECT_NEAR(mean.Download()[0], cpu_mean, tolerance);
+
+  cuda::MeanMomentum(device.get(), 0, mean.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("MeanMomentum of nothing");
+  EXPECT_EQ(mean.Download()[0], 0.0);
+}
+
+// Values with many exact ties (multiples of 1/16), zeros of both signs.
+std::vector<float> TiedValues(int64_t n, uint64_t seed, bool coarse) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> v(static_cast<size_t>(n));
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (float& x : v) {
+    x = coarse ? static_cast<float>(rng() % 17) / 16.0f : uniform(rng);
+    if (rng() % 50 == 0) x = (rng() % 2 == 0) ? -0.0f : 0.0f;
+  }
+  return v;
+}
+
+TEST_P(ArrayKernelParityTest, SelectLowestPicksTheSameIndicesInTheSameOrder) {
+  for (bool coarse : {true, false}) {
+    const std::vector<float> values = TiedValues(n(), 40 + static_cast<uint64_t>(n()), coarse);
+    DeviceArray<float> device_values(values);
+    const std::pair<int64_t, int64_t> ranges[] = {{0, n()}, {n() / 3, n()}, {0, n() - n() / 4}};
+    for (const auto& [begin, end] : ranges) {
+      const int64_t count = end - begin;
+      std::vector<int64_t> ks = {0, 1, 2, count / 3, count / 2 + 1, count - 1, count};
+      std::sort(ks.begin(), ks.end());
+      ks.erase(std::unique(ks.begin(), ks.end()), ks.end());
+      for (int64_t k : ks) {
+        if (k < 0 || k > count) continue;
+        SCOPED_TRACE("n=" + std::to_string(n()) + " coarse=" + std::to_string(coarse) +
+                     " range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                     ") k=" + std::to_string(k));
+        std::vector<int64_t> cpu_selected(static_cast<size_t>(k), -1);
+        std::vector<uint64_t> scratch(static_cast<size_t>(count));
+        cpu::SelectLowest(values.data(), begin, end, k, cpu_selected.data(), scratch.data(),
+                          nullptr);
+        DeviceArray<int64_t> selected(std::vector<int64_t>(static_cast<size_t>(k), -1));
+        cuda::SelectLowest(device_values.get(), begin, end, k, selected.get(), nullptr, nullptr);
+        KVCM_ASSERT_KERNELS_OK("SelectLowest");
+        EXPECT_EQ(selected.Download(), cpu_selected);
+      }
+    }
+  }
+}
+
+TEST_P(ArrayKernelParityTest, RemoveEntriesKeepsTheSameSurvivorsInOrder) {
+  std::mt19937_64 rng(77);
+  const std::vector<float> momentum = RandomMomentum(n(), 9);
+  std::vector<int64_t> positions(static_cast<size_t>(n()));
+  std::iota(positions.begin(), positions.end(), int64_t{1000});
+  std::vector<std::vector<int64_t>> patterns;
+  patterns.push_back({0});
+  patterns.push_back({n() - 1});
+  std::vector<int64_t> all(static_cast<size_t>(n()));
+  std::iota(all.begin(), all.end(), int64_t{0});
+  patterns.push_back(all);
+  for (int keep_one_in : {2, 10, 1000}) {
+    std::vector<int64_t> some;
+    for (int64_t i = 0; i < n(); ++i) {
+      if (rng() % static_cast<uint64_t>(keep_one_in) != 0) some.push_back(i);
+    }
+    patterns.push_back(some);
+  }
+  std::vector<int64_t> run;  // one contiguous run in the middle
+  for (int64_t i = n() / 3; i < 2 * n() / 3; ++i) run.push_back(i);
+  patterns.push_back(run);
+
+  for (const std::vector<int64_t>& indices : patterns) {
+    const int64_t k = static_cast<int64_t>(indices.size());
+    SCOPED_TRACE("n=" + std::to_string(n()) + " k=" + std::to_string(k));
+    std::vector<float> cpu_m = momentum;
+    std::vector<int64_t> cpu_p = positions;
+    cpu::RemoveEntries(cpu_m.data(), cpu_p.data(), n(), indices.data(), k, nullptr);
+    cpu_m.resize(static_cast<size_t>(n() - k));
+    cpu_p.resize(static_cast<size_t>(n() - k));
+
+    DeviceArray<float> m(momentum);
+    DeviceArray<int64_t> p(positions);
+    DeviceArray<int64_t> device_indices(indices);
+    cuda::RemoveEntries(m.get(), p.get(), n(), device_indices.get(), k, nullptr);
+    KVCM_ASSERT_KERNELS_OK("RemoveEntries");
+    std::vector<float> gpu_m = m.Download();
+    std::vector<int64_t> gpu_p = p.Download();
+    gpu_m.resize(static_cast<size_t>(n() - k));
+    gpu_p.resize(static_cast<size_t>(n() - k));
+    EXPECT_EQ(FirstMismatch(gpu_m, cpu_m), -1);
+    EXPECT_EQ(gpu_p, cpu_p);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ArrayKernelParityTest, ::testing::ValuesIn(kSizes));
+
+class CompactKvParityTest
+    : public ::testing::TestWithParam<std::tuple<int64_t, KvBlockLayout>> {
+ protected:
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
+};
+
+TEST_P(CompactKvParityTest, MovesTheSameBytes) {
+  const auto& [num_moves, layout] = GetParam();
+  const int64_t blocks = (2 * num_moves + 16) / layout.tokens_per_block + 1;
+  const int64_t slots = blocks * layout.tokens_per_block;
+  std::mt19937_64 rng(static_cast<uint64_t>(num_moves) * 31 + static_cast<uint64_t>(layout.head_dim));
+  std::vector<uint8_t> storage(static_cast<size_t>(blocks * layout.BlockBytes()));
+  for (uint8_t& b : storage) b = static_cast<uint8_t>(rng());
+  // Sources and destinations from one shuffle: disjoint, as a plan makes them.
+  std::vector<int64_t> order(static_cast<size_t>(slots));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<KvMove> moves(static_cast<size_t>(num_moves));
+  for (int64_t m = 0; m < num_moves; ++m) {
+    moves[static_cast<size_t>(m)] = {order[static_cast<size_t>(m)],
+                                     order[static_cast<size_t>(num_moves + m)]};
+  }
+
+  DeviceArray<uint8_t> device_storage(storage);
+  DeviceArray<KvMove> device_moves(moves);
+  cpu::CompactKv(storage.data(), layout, moves.data(), num_moves, nullptr);
+  cuda::CompactKv(device_storage.get(), layout, device_moves.get(), num_moves, nullptr);
+  KVCM_ASSERT_KERNELS_OK("CompactKv");
+  EXPECT_EQ(FirstMismatch(device_storage.Download(), storage), -1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    MovesAndLayouts, CompactKvParityTest,
+    ::testing::Combine(
+        ::testing::Values(1, 7, 111, 4096),
+        ::testing::Values(KvBlockLayout{16, 2, 8, 128, KvDtype::kFloat16},   // 16-byte units
+                          KvBlockLayout{16, 3, 1, 4, KvDtype::kFloat32},     // 16-byte units
+                          KvBlockLayout{8, 2, 1, 2, KvDtype::kFloat32},      // 8-byte units
+                          KvBlockLayout{16, 3, 2, 5, KvDtype::kBFloat16},    // 4-byte units
+                          KvBlockLayout{4, 2, 1, 3, KvDtype::kFloat16})),    // 2-byte units
+    [](const ::testing::TestParamInfo<std::tuple<int64_t, KvBlockLayout>>& param_info) {
+      const KvBlockLayout& l = std::get<1>(param_info.param);
+      return "moves" + std::to_string(std::get<0>(param_info.param)) + "_tpb" +
+             std::to_string(l.tokens_per_block) + "_layers" + std::to_string(l.layers) +
+             "_heads" + std::to_string(l.kv_heads) + "_dim" + std::to_string(l.head_dim) +
+             "_bytes" + std::to_string(KvDtypeSize(l.dtype));
+    });
+
+}  // namespace
+}  // namespace kvcm::kernels
