@@ -3,6 +3,7 @@
 //
 //   kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary]
 //   kvcache-replay --trace FILE --compare inertia,tova,...   (a per-policy table)
+//   kvcache-replay --trace FILE --server 127.0.0.1:50051 [--tp N]  (through kvcached)
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr naming the file line and
 // step), 1 on other failures.
@@ -17,6 +18,9 @@
 #include "absl/strings/str_split.h"
 #include "clients/replay/replay_backend.h"
 #include "clients/replay/replay_run.h"
+#ifdef KVCM_REPLAY_HAS_GRPC
+#include "clients/replay/grpc_backend.h"
+#endif
 
 ABSL_FLAG(std::string, trace, "", "kvtrace/1 file to replay (required)");
 ABSL_FLAG(std::string, out, "", "write decisions here instead of stdout");
@@ -26,6 +30,9 @@ ABSL_FLAG(int32_t, tp, 1,
           "through the tensor-parallel join (decisions do not change)");
 ABSL_FLAG(bool, summary, false, "print the trace's statistics after the decisions");
 ABSL_FLAG(std::string, policy, "", "replace the trace's policy with this preset");
+ABSL_FLAG(std::string, server, "",
+          "replay through the kvcached at this address instead of the embedded engine "
+          "(with --tp N: N concurrent rank streams)");
 ABSL_FLAG(std::string, compare, "",
           "comma-separated presets (or 'all'): replay the trace under each and print a "
           "per-policy table instead of decisions");
@@ -35,6 +42,17 @@ namespace {
 int Fail(const absl::Status& status) {
   std::cerr << "kvcache-replay: " << status.message() << "\n";
   return kvcm::replay::ExitCodeFor(status);
+}
+
+// The embedded engine, or the daemon named by --server.
+absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend() {
+  const std::string server = absl::GetFlag(FLAGS_server);
+  if (server.empty()) return kvcm::replay::NewEmbeddedBackend();
+#ifdef KVCM_REPLAY_HAS_GRPC
+  return kvcm::replay::NewGrpcBackend(server);
+#else
+  return absl::UnimplementedError("this kvcache-replay was built without gRPC (--server)");
+#endif
 }
 
 }  // namespace
@@ -70,8 +88,9 @@ int main(int argc, char** argv) {
     std::vector<ReplaySummary> rows;
     for (const std::string& preset : presets) {
       options.preset = preset;
-      auto backend = kvcm::replay::NewEmbeddedBackend();
-      absl::StatusOr<ReplaySummary> summary = kvcm::replay::RunReplay(options, *backend);
+      absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> backend = MakeBackend();
+      if (!backend.ok()) return Fail(backend.status());
+      absl::StatusOr<ReplaySummary> summary = kvcm::replay::RunReplay(options, **backend);
       if (!summary.ok()) return Fail(summary.status());
       rows.push_back(*summary);
     }
@@ -91,8 +110,9 @@ int main(int argc, char** argv) {
   } else {
     options.decisions = &std::cout;
   }
-  auto backend = kvcm::replay::NewEmbeddedBackend();
-  absl::StatusOr<ReplaySummary> summary = kvcm::replay::RunReplay(options, *backend);
+  absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> backend = MakeBackend();
+  if (!backend.ok()) return Fail(backend.status());
+  absl::StatusOr<ReplaySummary> summary = kvcm::replay::RunReplay(options, **backend);
   if (!summary.ok()) return Fail(summary.status());
   if (absl::GetFlag(FLAGS_summary)) {
     // Keep stdout a clean stream of decisions when it carries them.

@@ -1,0 +1,201 @@
+#include "clients/cpp/kvcache_client.h"
+
+#include <bit>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/half_float.h"
+
+namespace kvcm::client {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "scores travel little-endian");
+
+template <uint16_t (*Encode)(float)>
+void SetHalfScores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                   int32_t head_count, v1::ScoreDtype dtype) {
+  std::string* bytes = report->mutable_scores();
+  bytes->resize(scores.size() * 2);
+  auto* out = reinterpret_cast<unsigned char*>(bytes->data());
+  for (size_t i = 0; i < scores.size(); ++i) {
+    const uint16_t h = Encode(scores[i]);
+    std::memcpy(out + 2 * i, &h, 2);
+  }
+  report->set_layers(layers);
+  report->set_dtype(dtype);
+  report->set_head_count(head_count);
+}
+
+}  // namespace
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+absl::Status DecisionStatus(const v1::Decision& decision) {
+  if (decision.code() == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(decision.code()), decision.message());
+}
+
+StepStream::StepStream(
+    std::unique_ptr<grpc::ClientContext> context,
+    std::unique_ptr<grpc::ClientReaderWriter<v1::StepBatch, v1::DecisionBatch>> stream)
+    : context_(std::move(context)), stream_(std::move(stream)) {}
+
+StepStream::~StepStream() {
+  if (!closed_) {
+    context_->TryCancel();
+    (void)stream_->Finish();
+  }
+}
+
+absl::Status StepStream::Send(const v1::StepBatch& batch) {
+  if (closed_) return absl::FailedPreconditionError("the step stream is closed");
+  if (!stream_->Write(batch)) {
+    closed_ = true;
+    absl::Status status = FromGrpc(stream_->Finish());
+    return status.ok() ? absl::UnavailableError("the daemon ended the step stream") : status;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::DecisionBatch> StepStream::Receive() {
+  if (closed_) return absl::FailedPreconditionError("the step stream is closed");
+  v1::DecisionBatch reply;
+  if (!stream_->Read(&reply)) {
+    closed_ = true;
+    absl::Status status = FromGrpc(stream_->Finish());
+    return status.ok() ? absl::UnavailableError("the daemon ended the step stream") : status;
+  }
+  return reply;
+}
+
+absl::StatusOr<v1::DecisionBatch> StepStream::Step(const v1::StepBatch& batch) {
+  if (absl::Status sent = Send(batch); !sent.ok()) return sent;
+  return Receive();
+}
+
+absl::Status StepStream::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  stream_->WritesDone();
+  v1::DecisionBatch ignored;
+  while (stream_->Read(&ignored)) {
+  }
+  return FromGrpc(stream_->Finish());
+}
+
+KvCacheClient::KvCacheClient(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
+    : options_(options), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Connect(
+    const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  auto channel =
+      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach kvcached at ", options.address,
+                                               " within ",
+                                               absl::FormatDuration(options.connect_timeout)));
+  }
+  return std::unique_ptr<KvCacheClient>(new KvCacheClient(options, std::move(channel)));
+}
+
+std::unique_ptr<grpc::ClientContext> KvCacheClient::UnaryContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  return context;
+}
+
+absl::StatusOr<v1::SequenceState> KvCacheClient::Open(const v1::OpenSequenceRequest& request) {
+  v1::OpenSequenceResponse response;
+  absl::Status status = FromGrpc(stub_->OpenSequence(UnaryContext().get(), request, &response));
+  if (!status.ok()) return status;
+  return response.state();
+}
+
+absl::StatusOr<v1::SequenceStats> KvCacheClient::Close(absl::string_view sequence_id) {
+  v1::CloseSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  v1::CloseSequenceResponse response;
+  absl::Status status = FromGrpc(stub_->CloseSequence(UnaryContext().get(), request, &response));
+  if (!status.ok()) return status;
+  return response.stats();
+}
+
+absl::StatusOr<v1::SequenceState> KvCacheClient::Inspect(absl::string_view sequence_id,
+                                                         bool include_cache) {
+  v1::InspectSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  request.set_include_cache(include_cache);
+  v1::InspectSequenceResponse response;
+  absl::Status status =
+      FromGrpc(stub_->InspectSequence(UnaryContext().get(), request, &response));
+  if (!status.ok()) return status;
+  return response.state();
+}
+
+absl::StatusOr<std::vector<v1::SequenceState>> KvCacheClient::List() {
+  v1::ListSequencesResponse response;
+  absl::Status status =
+      FromGrpc(stub_->ListSequences(UnaryContext().get(), v1::ListSequencesRequest(), &response));
+  if (!status.ok()) return status;
+  return std::vector<v1::SequenceState>(response.sequences().begin(), response.sequences().end());
+}
+
+absl::StatusOr<v1::DecisionBatch> KvCacheClient::Step(const v1::StepBatch& batch) {
+  v1::DecisionBatch reply;
+  absl::Status status = FromGrpc(stub_->Step(UnaryContext().get(), batch, &reply));
+  if (!status.ok()) return status;
+  return reply;
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> KvCacheClient::OpenStepStream() {
+  auto context = std::make_unique<grpc::ClientContext>();
+  auto stream = stub_->StepStream(context.get());
+  if (stream == nullptr) return absl::UnavailableError("cannot open a step stream");
+  return std::unique_ptr<StepStream>(new StepStream(std::move(context), std::move(stream)));
+}
+
+v1::OpenSequenceRequest OpenRequest(absl::string_view sequence_id, int64_t prefill_len,
+                                    double compression_ratio, absl::string_view preset) {
+  v1::OpenSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  request.set_prefill_len(prefill_len);
+  request.set_compression_ratio(compression_ratio);
+  request.mutable_policy()->set_preset(std::string(preset));
+  return request;
+}
+
+v1::StepReport* AddReport(v1::StepBatch* batch, absl::string_view sequence_id, int64_t step) {
+  v1::StepReport* report = batch->add_reports();
+  report->set_sequence_id(std::string(sequence_id));
+  report->set_step(step);
+  return report;
+}
+
+void SetFloat32Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                      int32_t head_count) {
+  report->set_scores(reinterpret_cast<const char*>(scores.data()), scores.size() * sizeof(float));
+  report->set_layers(layers);
+  report->set_dtype(v1::SCORE_DTYPE_FLOAT32);
+  report->set_head_count(head_count);
+}
+
+void SetFloat16Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                      int32_t head_count) {
+  SetHalfScores<kernels::FloatToFloat16>(report, scores, layers, head_count,
+                                         v1::SCORE_DTYPE_FLOAT16);
+}
+
+void SetBFloat16Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                       int32_t head_count) {
+  SetHalfScores<kernels::FloatToBFloat16>(report, scores, layers, head_count,
+                                          v1::SCORE_DTYPE_BFLOAT16);
+}
+
+}  // namespace kvcm::client

@@ -1,0 +1,114 @@
+// The C++ client of kvcached, for C++ model workers and tools.
+//
+//   auto client = kvcm::client::KvCacheClient::Connect({.address = "127.0.0.1:50051"});
+//   auto state = (*client)->Open(OpenRequest("req-1", 4096, 0.9, "inertia"));
+//   auto stream = (*client)->OpenStepStream();          // one per worker rank
+//   kvcache::v1::StepBatch batch;                       // every sequence of this step
+//   SetFloat32Scores(AddReport(&batch, "req-1", 1), scores, layers);
+//   auto decisions = (*stream)->Step(batch);            // one Decision per report
+//
+// KvCacheClient is thread-safe; a StepStream carries one batch at a time (one per worker
+// rank, used from one thread). Errors are absl::Status with the daemon's message.
+#ifndef KVCM_CLIENTS_CPP_KVCACHE_CLIENT_H_
+#define KVCM_CLIENTS_CPP_KVCACHE_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+
+namespace kvcm::client {
+
+namespace v1 = ::kvcache::v1;
+
+struct ClientOptions {
+  std::string address = "127.0.0.1:50051";
+  absl::Duration connect_timeout = absl::Seconds(10);  // wait this long for the channel
+  absl::Duration rpc_timeout = absl::Seconds(60);      // per unary call
+  int64_t max_message_bytes = 256 << 20;
+};
+
+// One worker rank's step stream. Not thread-safe.
+class StepStream {
+ public:
+  ~StepStream();
+
+  // Sends one batch and waits for its decisions. A per-sequence failure is a Decision
+  // with a non-zero code; an error here means the stream itself failed.
+  absl::StatusOr<v1::DecisionBatch> Step(const v1::StepBatch& batch);
+
+  // Sends the batch without waiting; pair every Send with one Receive (used by tensor-
+  // parallel drivers that must let other ranks report before the reply can come).
+  absl::Status Send(const v1::StepBatch& batch);
+  absl::StatusOr<v1::DecisionBatch> Receive();
+
+  // Half-closes and returns the call's final status.
+  absl::Status Close();
+
+ private:
+  friend class KvCacheClient;
+  StepStream(std::unique_ptr<grpc::ClientContext> context,
+             std::unique_ptr<grpc::ClientReaderWriter<v1::StepBatch, v1::DecisionBatch>> stream);
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepBatch, v1::DecisionBatch>> stream_;
+  bool closed_ = false;
+};
+
+class KvCacheClient {
+ public:
+  // Connects and waits until the channel is ready (UNAVAILABLE after connect_timeout).
+  static absl::StatusOr<std::unique_ptr<KvCacheClient>> Connect(const ClientOptions& options);
+
+  absl::StatusOr<v1::SequenceState> Open(const v1::OpenSequenceRequest& request);
+  absl::StatusOr<v1::SequenceStats> Close(absl::string_view sequence_id);
+  absl::StatusOr<v1::SequenceState> Inspect(absl::string_view sequence_id, bool include_cache);
+  absl::StatusOr<std::vector<v1::SequenceState>> List();
+  // The unary step, for simple clients.
+  absl::StatusOr<v1::DecisionBatch> Step(const v1::StepBatch& batch);
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
+
+  v1::KvCache::Stub& stub() { return *stub_; }
+
+ private:
+  KvCacheClient(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
+  std::unique_ptr<grpc::ClientContext> UnaryContext() const;
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+};
+
+// An OpenSequenceRequest with a compression ratio (or, if ratio < 0, `budget_tokens`)
+// and a preset.
+v1::OpenSequenceRequest OpenRequest(absl::string_view sequence_id, int64_t prefill_len,
+                                    double compression_ratio, absl::string_view preset);
+
+// Appends a report for (sequence, step) to the batch and returns it.
+v1::StepReport* AddReport(v1::StepBatch* batch, absl::string_view sequence_id, int64_t step);
+
+// Packs layer-major scores into a report. float16 / bfloat16 are encoded with
+// round-to-nearest-even. head_count: 0 for pooled rows, else the heads summed.
+void SetFloat32Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                      int32_t head_count = 0);
+void SetFloat16Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                      int32_t head_count = 0);
+void SetBFloat16Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+                       int32_t head_count = 0);
+
+// The daemon's grpc::Status as an absl::Status (same code and message).
+absl::Status FromGrpc(const grpc::Status& status);
+// A Decision's status.
+absl::Status DecisionStatus(const v1::Decision& decision);
+
+}  // namespace kvcm::client
+
+#endif  // KVCM_CLIENTS_CPP_KVCACHE_CLIENT_H_

@@ -1,0 +1,119 @@
+#include "server/daemon.h"
+
+#include <cstdio>
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "server/kvcache_service.h"
+
+namespace kvcm::server {
+namespace {
+
+constexpr char kServiceName[] = "kvcache.v1.KvCache";
+
+// "127.0.0.1:0" with port 50123 bound -> "127.0.0.1:50123".
+std::string WithPort(const std::string& address, int port) {
+  const size_t colon = address.rfind(':');
+  return absl::StrCat(colon == std::string::npos ? address : address.substr(0, colon), ":", port);
+}
+
+int Millis(absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); }
+
+}  // namespace
+
+Daemon::Daemon(const ServerOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
+                                                      const BuildInfo& build) {
+  std::unique_ptr<Daemon> d(new Daemon(options));
+  d->metrics_ = std::make_unique<ServerMetrics>(build);
+  SequenceTableOptions table_options;
+  table_options.max_sequences = options.max_sequences;
+  table_options.max_tp_world_size = options.max_tp_world_size;
+  d->table_ = std::make_unique<SequenceTable>(table_options);
+  d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());
+
+  if (!options.metrics_listen.empty()) {
+    // prometheus-cpp reports bind failures by throwing; keep that inside this module.
+    try {
+      d->exposer_ = std::make_unique<prometheus::Exposer>(
+          options.metrics_listen, static_cast<size_t>(options.metrics_threads));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ",
+                                                 options.metrics_listen, ": ", e.what()));
+    }
+    d->exposer_->RegisterCollectable(d->metrics_->registry());
+    d->exposer_->RegisterCollectable(d->table_gauges_);
+    const std::vector<int> ports = d->exposer_->GetListeningPorts();
+    d->metrics_address_ =
+        ports.empty() ? options.metrics_listen : WithPort(options.metrics_listen, ports[0]);
+  }
+
+  d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->metrics_.get());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(d->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(options.keepalive_time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(options.keepalive_timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Accept client pings as often as our own keepalive interval.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             Millis(options.keepalive_time));
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
+  }
+  d->grpc_address_ = WithPort(options.listen, port);
+  grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+  d->metrics_->SetServing(true);
+  d->reclaimer_ = std::thread([daemon = d.get()] { daemon->ReclaimLoop(); });
+  return d;
+}
+
+void Daemon::ReclaimLoop() {
+  while (!stop_reclaimer_.WaitForNotificationWithTimeout(options_.reclaim_interval)) {
+    if (options_.idle_timeout <= absl::ZeroDuration()) continue;
+    for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
+      metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);
+      std::fprintf(stderr, "kvcached: reclaimed sequence '%s' after %s idle (step %lld)\n",
+                   info.id.c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
+                   static_cast<long long>(info.last_step));
+    }
+  }
+}
+
+void Daemon::Drain(absl::Duration deadline) {
+  {
+    absl::MutexLock lock(&drain_mu_);
+    if (drained_) return;
+    drained_ = true;
+  }
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  health->SetServingStatus(kServiceName, false);
+  metrics_->SetServing(false);
+  service_->StartDraining();
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+  server_->Wait();
+  stop_reclaimer_.Notify();
+  if (reclaimer_.joinable()) reclaimer_.join();
+}
+
+Daemon::~Daemon() {
+  Drain(absl::ZeroDuration());
+  exposer_.reset();  // before the registry and table it reads
+}
+
+}  // namespace kvcm::server

@@ -1,0 +1,72 @@
+// Daemon: one running kvcached. Owns the sequence table, the metrics and their HTTP
+// exposer, the gRPC server with its health and reflection services, and the idle
+// reclaimer. Start() returns once both ports are bound and health says SERVING; Drain()
+// is the SIGTERM path. Thread-safe.
+#ifndef KVCM_SERVER_DAEMON_H_
+#define KVCM_SERVER_DAEMON_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "cache_manager/sequence_table.h"
+#include "server/metrics.h"
+#include "server/server_options.h"
+
+namespace grpc {
+class Server;
+}
+namespace prometheus {
+class Exposer;
+}
+
+namespace kvcm::server {
+
+class KvCacheService;
+
+class Daemon {
+ public:
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const ServerOptions& options,
+                                                       const BuildInfo& build);
+  ~Daemon();
+
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // host:port actually bound (port 0 in the options resolves here).
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+
+  // Health goes NOT_SERVING, new calls are refused, open streams end once their in-flight
+  // batches are answered, and whatever still runs at `deadline` is cancelled. Returns when
+  // the server has stopped. Idempotent.
+  void Drain(absl::Duration deadline);
+
+  SequenceTable& table() { return *table_; }
+  ServerMetrics& metrics() { return *metrics_; }
+
+ private:
+  explicit Daemon(const ServerOptions& options);
+  void ReclaimLoop();
+
+  const ServerOptions options_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<SequenceTable> table_;
+  std::shared_ptr<TableGauges> table_gauges_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string grpc_address_;
+  std::string metrics_address_;
+  absl::Notification stop_reclaimer_;
+  std::thread reclaimer_;
+  absl::Mutex drain_mu_;
+  bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
+};
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_DAEMON_H_

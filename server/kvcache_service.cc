@@ -1,0 +1,135 @@
+#include "server/kvcache_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/step_stream_reactor.h"
+#include "server/translate.h"
+
+namespace kvcm::server {
+namespace {
+
+namespace v1 = ::kvcache::v1;
+
+// Every unary RPC goes through this: counts the request, and its failure by code.
+class UnaryCall {
+ public:
+  UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
+            const google::protobuf::Message& request)
+      : rpc_(rpc), reactor_(context->DefaultReactor()), metrics_(metrics) {
+    metrics_->Request(rpc, static_cast<int64_t>(request.ByteSizeLong()));
+  }
+
+  grpc::ServerUnaryReactor* Finish(const absl::Status& status) {
+    if (!status.ok()) metrics_->Error(rpc_, status.code());
+    reactor_->Finish(ToGrpc(status));
+    return reactor_;
+  }
+
+ private:
+  const Rpc rpc_;
+  grpc::ServerUnaryReactor* const reactor_;
+  ServerMetrics* const metrics_;
+};
+
+}  // namespace
+
+KvCacheService::KvCacheService(const ServerOptions& options, SequenceTable* table,
+                               ServerMetrics* metrics)
+    : options_(options), table_(table), metrics_(metrics), processor_(table, metrics) {}
+
+KvCacheService::~KvCacheService() = default;
+
+grpc::ServerUnaryReactor* KvCacheService::OpenSequence(grpc::CallbackServerContext* context,
+                                                       const v1::OpenSequenceRequest* request,
+                                                       v1::OpenSequenceResponse* response) {
+  UnaryCall call(Rpc::kOpenSequence, context, metrics_, *request);
+  absl::StatusOr<OpenParams> params = FromProto(*request);
+  if (!params.ok()) return call.Finish(params.status());
+  absl::StatusOr<SequenceInfo> info =
+      table_->Open(params->id, params->options, params->tp_world_size, params->score_dtype);
+  if (!info.ok()) return call.Finish(info.status());
+  metrics_->SequenceOpened(info->policy.preset);
+  ToProto(*info, absl::Now(), response->mutable_state());
+  return call.Finish(absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::CloseSequence(grpc::CallbackServerContext* context,
+                                                        const v1::CloseSequenceRequest* request,
+                                                        v1::CloseSequenceResponse* response) {
+  UnaryCall call(Rpc::kCloseSequence, context, metrics_, *request);
+  absl::StatusOr<SequenceInfo> last = table_->Close(request->sequence_id());
+  if (!last.ok()) return call.Finish(last.status());
+  metrics_->SequenceClosed(last->policy.preset, CloseReason::kClient);
+  ToProto(last->stats, response->mutable_stats());
+  return call.Finish(absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::InspectSequence(
+    grpc::CallbackServerContext* context, const v1::InspectSequenceRequest* request,
+    v1::InspectSequenceResponse* response) {
+  UnaryCall call(Rpc::kInspectSequence, context, metrics_, *request);
+  absl::StatusOr<SequenceInfo> info =
+      table_->Inspect(request->sequence_id(), request->include_cache());
+  if (!info.ok()) return call.Finish(info.status());
+  ToProto(*info, absl::Now(), response->mutable_state());
+  return call.Finish(absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* context,
+                                                        const v1::ListSequencesRequest* request,
+                                                        v1::ListSequencesResponse* response) {
+  UnaryCall call(Rpc::kListSequences, context, metrics_, *request);
+  const absl::Time now = absl::Now();
+  for (const SequenceInfo& info : table_->List()) ToProto(info, now, response->add_sequences());
+  return call.Finish(absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
+                                               const v1::StepBatch* request,
+                                               v1::DecisionBatch* response) {
+  // Requests, per-sequence errors and batch time are recorded by the processor; the call
+  // itself cannot fail once the batch parsed.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  processor_.Process(*request, Rpc::kStep, [reactor, response](v1::DecisionBatch reply) {
+    *response = std::move(reply);
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepStream(
+    grpc::CallbackServerContext* /*context*/) {
+  auto* reactor = new StepStreamReactor(this, &processor_, metrics_);
+  grpc::Status refusal;
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) {
+      refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                             "kvcached is draining; open the stream on another daemon");
+    } else if (static_cast<int64_t>(streams_.size()) >= options_.max_streams) {
+      refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             absl::StrCat("kvcached already serves the maximum of ",
+                                          options_.max_streams, " step streams"));
+    }
+    streams_.insert(reactor);
+  }
+  if (!refusal.ok()) metrics_->Error(Rpc::kStepStream, static_cast<absl::StatusCode>(refusal.error_code()));
+  reactor->Start(refusal);
+  return reactor;
+}
+
+void KvCacheService::StartDraining() {
+  // Reactors leave the set only in OnDone (StreamDone), which needs mu_: holding it keeps
+  // every reactor alive while it is told to drain. gRPC never runs OnDone inline from
+  // Finish, so Drain may finish a call here.
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  for (StepStreamReactor* reactor : streams_) reactor->Drain();
+}
+
+void KvCacheService::StreamDone(StepStreamReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  streams_.erase(reactor);
+}
+
+}  // namespace kvcm::server

@@ -1,0 +1,68 @@
+// KvCacheService: the kvcache.v1.KvCache gRPC service on the callback API. A thin layer:
+// every RPC is decoded, handed to the sequence table (through StepBatchProcessor for
+// steps), and its status and time recorded by one wrapper (RpcCall). StepStream runs one
+// reactor per worker rank. Nothing here blocks: replies that wait for other ranks are
+// written from the thread that completes them.
+#ifndef KVCM_SERVER_KVCACHE_SERVICE_H_
+#define KVCM_SERVER_KVCACHE_SERVICE_H_
+
+#include <atomic>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "cache_manager/sequence_table.h"
+#include "grpcpp/grpcpp.h"
+#include "kvcache/v1/kvcache.grpc.pb.h"
+#include "server/metrics.h"
+#include "server/server_options.h"
+#include "server/step_batch_processor.h"
+
+namespace kvcm::server {
+
+class StepStreamReactor;
+
+class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
+ public:
+  KvCacheService(const ServerOptions& options, SequenceTable* table, ServerMetrics* metrics);
+  ~KvCacheService() override;
+
+  grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* context,
+                                         const ::kvcache::v1::OpenSequenceRequest* request,
+                                         ::kvcache::v1::OpenSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* context,
+                                          const ::kvcache::v1::CloseSequenceRequest* request,
+                                          ::kvcache::v1::CloseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* InspectSequence(
+      grpc::CallbackServerContext* context, const ::kvcache::v1::InspectSequenceRequest* request,
+      ::kvcache::v1::InspectSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
+                                          const ::kvcache::v1::ListSequencesRequest* request,
+                                          ::kvcache::v1::ListSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
+                                 const ::kvcache::v1::StepBatch* request,
+                                 ::kvcache::v1::DecisionBatch* response) override;
+  grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch>* StepStream(
+      grpc::CallbackServerContext* context) override;
+
+  // Draining: new streams are refused, and open streams end (UNAVAILABLE) once their
+  // in-flight batches are answered, so that clients move to another daemon.
+  void StartDraining();
+
+  // Called by a stream reactor when it is done.
+  void StreamDone(StepStreamReactor* reactor);
+
+ private:
+  const ServerOptions options_;
+  SequenceTable* const table_;
+  ServerMetrics* const metrics_;
+  StepBatchProcessor processor_;
+  absl::Mutex mu_;
+  absl::flat_hash_set<StepStreamReactor*> streams_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_KVCACHE_SERVICE_H_

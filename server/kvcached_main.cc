@@ -1,0 +1,115 @@
+// kvcached: the KV-cache eviction daemon. One per GPU node; workers stream their decode
+// steps to it and receive the tokens to evict (see proto/kvcache/v1/kvcache.proto).
+//
+// SIGTERM or SIGINT: health goes NOT_SERVING, in-flight steps finish, the process exits 0
+// within --drain_deadline.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "server/daemon.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address (port 0: any free port)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics address (port 0: any free port; empty: no metrics)");
+ABSL_FLAG(std::string, port_file, "",
+          "once serving, write {\"grpc\":ADDR,\"metrics\":ADDR} here (for tests and scripts)");
+ABSL_FLAG(int64_t, max_sequences, 65536, "most sequences open at once");
+ABSL_FLAG(int32_t, max_tp_world_size, 64, "most tensor-parallel ranks per sequence");
+ABSL_FLAG(int64_t, max_message_bytes, 256 << 20, "largest request accepted, in bytes");
+ABSL_FLAG(int32_t, max_streams, 1024, "most step streams open at once");
+ABSL_FLAG(absl::Duration, idle_timeout, absl::Minutes(10),
+          "close sequences nobody stepped, opened or inspected for this long (0: never)");
+ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30),
+          "on SIGTERM, how long in-flight calls may take before they are cancelled");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30), "gRPC keepalive ping interval");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10), "gRPC keepalive ping timeout");
+
+#ifndef KVCM_VERSION
+#define KVCM_VERSION "0.0.0"
+#endif
+
+namespace {
+
+bool WritePortFile(const std::string& path, const kvcm::server::Daemon& daemon) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << "{\"grpc\": \"" << daemon.grpc_address() << "\", \"metrics\": \""
+        << daemon.metrics_address() << "\"}\n";
+    if (!out) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("the KV-cache eviction daemon: kvcached [--listen=ADDR] ...");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the stop signals in every thread (gRPC's included) and wait for them here.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  kvcm::server::ServerOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.max_tp_world_size = absl::GetFlag(FLAGS_max_tp_world_size);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.idle_timeout = absl::GetFlag(FLAGS_idle_timeout);
+  options.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
+  options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  if (options.max_sequences < 1 || options.max_streams < 1 || options.max_tp_world_size < 1 ||
+      options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
+    std::fprintf(stderr,
+                 "kvcached: --max_sequences, --max_streams and --max_tp_world_size must be >= 1, "
+                 "--max_message_bytes 1024 to 2147483647\n");
+    return 2;
+  }
+
+  kvcm::server::BuildInfo build;
+  build.version = KVCM_VERSION;
+#ifdef KVCM_HAS_CUDA
+  build.cuda = true;
+#endif
+#ifdef KVCM_HAS_NCCL
+  build.nccl = true;
+#endif
+  absl::StatusOr<std::unique_ptr<kvcm::server::Daemon>> daemon =
+      kvcm::server::Daemon::Start(options, build);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "kvcached: %s\n", std::string(daemon.status().message()).c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "kvcached %s: serving gRPC on %s, metrics on http://%s/metrics\n",
+               KVCM_VERSION, (*daemon)->grpc_address().c_str(),
+               (*daemon)->metrics_address().c_str());
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty() && !WritePortFile(port_file, **daemon)) {
+    std::fprintf(stderr, "kvcached: cannot write %s\n", port_file.c_str());
+    return 1;
+  }
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  std::fprintf(stderr, "kvcached: %s: draining (deadline %s)\n",
+               signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+               absl::FormatDuration(options.drain_deadline).c_str());
+  (*daemon)->Drain(options.drain_deadline);
+  daemon->reset();
+  std::fprintf(stderr, "kvcached: stopped\n");
+  return 0;
+}

@@ -1,0 +1,276 @@
+#include "server/metrics.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "cache_manager/policy.h"
+
+namespace kvcm::server {
+namespace {
+
+constexpr absl::string_view kRpcNames[kRpcCount] = {
+    "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences", "Step", "StepStream"};
+
+constexpr absl::string_view kCodeNames[17] = {
+    "OK",       "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",   "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL",        "UNAVAILABLE",       "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+constexpr absl::string_view kAggregationLabels[5] = {"ema", "cumulative", "single_step",
+                                                     "recency", "random"};
+
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
+      5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,  0.25,   0.5,  1.0};
+  return *buckets;
+}
+
+const prometheus::Histogram::BucketBoundaries& BatchSizeBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+  return *buckets;
+}
+
+std::vector<std::string> PolicyLabels() {
+  std::vector<std::string> labels;
+  for (absl::string_view preset : Policy::PresetNames()) labels.emplace_back(preset);
+  labels.emplace_back("custom");
+  return labels;
+}
+
+}  // namespace
+
+absl::string_view RpcName(Rpc rpc) { return kRpcNames[static_cast<int>(rpc)]; }
+
+absl::string_view StatusCodeName(absl::StatusCode code) {
+  const int c = static_cast<int>(code);
+  return c >= 0 && c < 17 ? kCodeNames[c] : "UNKNOWN";
+}
+
+absl::string_view PolicyLabel(absl::string_view preset) {
+  for (absl::string_view name : Policy::PresetNames()) {
+    if (name == preset) return name;
+  }
+  return "custom";
+}
+
+ServerMetrics::ServerMetrics(const BuildInfo& build)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  prometheus::Registry& r = *registry_;
+  prometheus::BuildGauge()
+      .Name("kvcache_build_info")
+      .Help("Always 1; the build's version and whether CUDA and NCCL are compiled in")
+      .Register(r)
+      .Add({{"version", build.version},
+            {"cuda", build.cuda ? "true" : "false"},
+            {"nccl", build.nccl ? "true" : "false"}})
+      .Set(1);
+  serving_ = &prometheus::BuildGauge()
+                  .Name("kvcache_serving")
+                  .Help("1 while health is SERVING, 0 while draining or not ready")
+                  .Register(r)
+                  .Add({});
+  streams_open_ = &prometheus::BuildGauge()
+                       .Name("kvcache_streams_open")
+                       .Help("Step streams currently open")
+                       .Register(r)
+                       .Add({});
+
+  auto& opened = prometheus::BuildCounter()
+                     .Name("kvcache_sequences_opened_total")
+                     .Help("Sequences opened")
+                     .Register(r);
+  auto& closed = prometheus::BuildCounter()
+                     .Name("kvcache_sequences_closed_total")
+                     .Help("Sequences closed, by the client or after the idle timeout")
+                     .Register(r);
+  auto& steps = prometheus::BuildCounter()
+                    .Name("kvcache_steps_total")
+                    .Help("Decode steps decided")
+                    .Register(r);
+  auto& scoring = prometheus::BuildCounter()
+                      .Name("kvcache_scoring_steps_total")
+                      .Help("Steps that took scores")
+                      .Register(r);
+  auto& skipped = prometheus::BuildCounter()
+                      .Name("kvcache_skipped_scoring_steps_total")
+                      .Help("Steps of a score-using policy that needed no scores")
+                      .Register(r);
+  auto& ignored = prometheus::BuildCounter()
+                      .Name("kvcache_ignored_score_reports_total")
+                      .Help("Steps that carried scores nobody needed")
+                      .Register(r);
+  auto& evicted = prometheus::BuildCounter()
+                      .Name("kvcache_tokens_evicted_total")
+                      .Help("Tokens evicted")
+                      .Register(r);
+  auto& decision = prometheus::BuildHistogram()
+                       .Name("kvcache_step_decision_seconds")
+                       .Help("Engine time to decide one sequence's step")
+                       .Register(r);
+  for (const std::string& label : PolicyLabels()) {
+    PolicySeries s;
+    s.opened = &opened.Add({{"policy", label}});
+    s.closed_client = &closed.Add({{"policy", label}, {"reason", "client"}});
+    s.closed_idle = &closed.Add({{"policy", label}, {"reason", "idle_timeout"}});
+    for (int a = 0; a < 5; ++a) {
+      s.steps[static_cast<size_t>(a)] =
+          &steps.Add({{"policy", label}, {"aggregation", std::string(kAggregationLabels[a])}});
+    }
+    s.scoring = &scoring.Add({{"policy", label}});
+    s.skipped = &skipped.Add({{"policy", label}});
+    s.ignored = &ignored.Add({{"policy", label}});
+    s.evicted = &evicted.Add({{"policy", label}});
+    s.decision_seconds = &decision.Add({{"policy", label}}, LatencyBuckets());
+    policies_.push_back(s);
+  }
+
+  auto& batch_seconds = prometheus::BuildHistogram()
+                            .Name("kvcache_batch_duration_seconds")
+                            .Help("Server time for one batch of steps")
+                            .Register(r);
+  auto& batch_sequences = prometheus::BuildHistogram()
+                              .Name("kvcache_batch_sequences")
+                              .Help("Sequence steps per batch")
+                              .Register(r);
+  auto& received = prometheus::BuildCounter()
+                       .Name("kvcache_received_bytes_total")
+                       .Help("Request payload bytes received")
+                       .Register(r);
+  auto& requests = prometheus::BuildCounter()
+                       .Name("kvcache_requests_total")
+                       .Help("Requests (each stream message counts once)")
+                       .Register(r);
+  auto& errors = prometheus::BuildCounter()
+                     .Name("kvcache_errors_total")
+                     .Help("Failed requests and per-sequence step failures, by status code")
+                     .Register(r);
+  for (int i = 0; i < kRpcCount; ++i) {
+    const std::string rpc(kRpcNames[i]);
+    RpcSeries& s = rpcs_[static_cast<size_t>(i)];
+    s.batch_seconds = &batch_seconds.Add({{"rpc", rpc}}, LatencyBuckets());
+    s.batch_sequences = &batch_sequences.Add({{"rpc", rpc}}, BatchSizeBuckets());
+    s.received_bytes = &received.Add({{"rpc", rpc}});
+    s.requests = &requests.Add({{"rpc", rpc}});
+    for (int c = 1; c < 17; ++c) {
+      s.errors[static_cast<size_t>(c)] =
+          &errors.Add({{"rpc", rpc}, {"code", std::string(kCodeNames[c])}});
+    }
+    s.errors[0] = nullptr;
+  }
+  auto& score_bytes = prometheus::BuildCounter()
+                          .Name("kvcache_score_bytes_total")
+                          .Help("Packed score bytes received, by dtype")
+                          .Register(r);
+  for (auto dtype : {kernels::ScoreDtype::kFloat32, kernels::ScoreDtype::kFloat16,
+                     kernels::ScoreDtype::kBFloat16}) {
+    score_bytes_[static_cast<size_t>(dtype)] =
+        &score_bytes.Add({{"dtype", kernels::ScoreDtypeName(dtype)}});
+  }
+}
+
+ServerMetrics::PolicySeries& ServerMetrics::Policy(absl::string_view preset) {
+  const auto& names = kvcm::Policy::PresetNames();
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == preset) return policies_[i];
+  }
+  return policies_.back();  // custom
+}
+
+void ServerMetrics::SequenceOpened(absl::string_view preset) { Policy(preset).opened->Increment(); }
+
+void ServerMetrics::SequenceClosed(absl::string_view preset, CloseReason reason) {
+  PolicySeries& s = Policy(preset);
+  (reason == CloseReason::kClient ? s.closed_client : s.closed_idle)->Increment();
+}
+
+void ServerMetrics::StepDecided(const EvictionDecision& d, double seconds) {
+  PolicySeries& s = Policy(d.preset);
+  s.steps[static_cast<size_t>(d.aggregation)]->Increment();
+  if (d.scored) {
+    s.scoring->Increment();
+  } else if (d.aggregation == Aggregation::kEma || d.aggregation == Aggregation::kCumulative ||
+             d.aggregation == Aggregation::kSingleStep) {
+    s.skipped->Increment();
+  }
+  if (d.scores_ignored) s.ignored->Increment();
+  if (!d.evicted.empty()) s.evicted->Increment(static_cast<double>(d.evicted.size()));
+  s.decision_seconds->Observe(seconds);
+}
+
+void ServerMetrics::BatchDone(Rpc rpc, int64_t sequences, double seconds) {
+  RpcSeries& s = rpcs_[static_cast<size_t>(rpc)];
+  s.batch_seconds->Observe(seconds);
+  s.batch_sequences->Observe(static_cast<double>(sequences));
+}
+
+void ServerMetrics::Request(Rpc rpc, int64_t payload_bytes) {
+  RpcSeries& s = rpcs_[static_cast<size_t>(rpc)];
+  s.requests->Increment();
+  if (payload_bytes > 0) s.received_bytes->Increment(static_cast<double>(payload_bytes));
+}
+
+void ServerMetrics::ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes) {
+  if (bytes > 0) score_bytes_[static_cast<size_t>(dtype)]->Increment(static_cast<double>(bytes));
+}
+
+void ServerMetrics::Error(Rpc rpc, absl::StatusCode code) {
+  const int c = static_cast<int>(code);
+  if (c <= 0 || c >= 17) return;
+  rpcs_[static_cast<size_t>(rpc)].errors[static_cast<size_t>(c)]->Increment();
+}
+
+double ServerMetrics::ErrorCount(Rpc rpc, absl::StatusCode code) const {
+  const int c = static_cast<int>(code);
+  if (c <= 0 || c >= 17) return 0;
+  return rpcs_[static_cast<size_t>(rpc)].errors[static_cast<size_t>(c)]->Value();
+}
+
+void ServerMetrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
+void ServerMetrics::StreamOpened() { streams_open_->Increment(); }
+void ServerMetrics::StreamClosed() { streams_open_->Decrement(); }
+
+std::vector<prometheus::MetricFamily> TableGauges::Collect() const {
+  struct Totals {
+    double open = 0, retained = 0, seen = 0;
+  };
+  const std::vector<std::string> labels = PolicyLabels();
+  absl::flat_hash_map<std::string, Totals> by_policy;
+  for (const std::string& label : labels) by_policy[label];
+  for (const SequenceInfo& info : table_->List()) {
+    Totals& t = by_policy[PolicyLabel(info.policy.preset)];
+    t.open += 1;
+    t.retained += static_cast<double>(info.cache_size);
+    t.seen += static_cast<double>(info.prefill_len + info.last_step);
+  }
+  auto family = [&](const char* name, const char* help, auto value) {
+    prometheus::MetricFamily f;
+    f.name = name;
+    f.help = help;
+    f.type = prometheus::MetricType::Gauge;
+    for (const std::string& label : labels) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"policy", label});
+      m.gauge.value = value(by_policy[label]);
+      f.metric.push_back(std::move(m));
+    }
+    return f;
+  };
+  return {
+      family("kvcache_sequences_open", "Sequences registered and not closed",
+             [](const Totals& t) { return t.open; }),
+      family("kvcache_tokens_retained", "Tokens cached across open sequences",
+             [](const Totals& t) { return t.retained; }),
+      family("kvcache_tokens_seen",
+             "Prefill and decoded tokens across open sequences (an uncompressed cache)",
+             [](const Totals& t) { return t.seen; }),
+      family("kvcache_retention_ratio", "kvcache_tokens_retained / kvcache_tokens_seen",
+             [](const Totals& t) { return t.seen > 0 ? t.retained / t.seen : 0.0; }),
+  };
+}
+
+}  // namespace kvcm::server

@@ -1,0 +1,122 @@
+// ServerMetrics: the Prometheus metrics of docs/METRICS.md. One object, created by the
+// daemon and passed to whoever records; every series with a bounded label set exists from
+// the start. The per-policy gauges are computed from the sequence table at scrape time
+// (TableGauges). Thread-safe: prometheus-cpp metrics are atomic, and the label lookups
+// here go through fixed arrays built at construction.
+#ifndef KVCM_SERVER_METRICS_H_
+#define KVCM_SERVER_METRICS_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "cache_manager/eviction_decision.h"
+#include "cache_manager/sequence_table.h"
+#include "kernels/score_matrix.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvcm::server {
+
+// The `rpc` label values.
+enum class Rpc : uint8_t {
+  kOpenSequence,
+  kCloseSequence,
+  kInspectSequence,
+  kListSequences,
+  kStep,
+  kStepStream,
+};
+inline constexpr int kRpcCount = 6;
+absl::string_view RpcName(Rpc rpc);
+
+// "INVALID_ARGUMENT", ... for the `code` label.
+absl::string_view StatusCodeName(absl::StatusCode code);
+
+// The `policy` label: the preset name, or "custom".
+absl::string_view PolicyLabel(absl::string_view preset);
+
+struct BuildInfo {
+  std::string version;
+  bool cuda = false;
+  bool nccl = false;
+};
+
+enum class CloseReason : uint8_t { kClient, kIdleTimeout };
+
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(const BuildInfo& build);
+
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+
+  void SequenceOpened(absl::string_view preset);
+  void SequenceClosed(absl::string_view preset, CloseReason reason);
+  // One decided step (counted once per step, not once per rank) and its engine time.
+  void StepDecided(const EvictionDecision& decision, double seconds);
+  void BatchDone(Rpc rpc, int64_t sequences, double seconds);
+  void Request(Rpc rpc, int64_t payload_bytes);
+  void ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes);
+  void Error(Rpc rpc, absl::StatusCode code);
+  void SetServing(bool serving);
+  void StreamOpened();
+  void StreamClosed();
+
+  // Test hook: the value of kvcache_errors_total{rpc, code}.
+  double ErrorCount(Rpc rpc, absl::StatusCode code) const;
+
+ private:
+  struct PolicySeries {
+    prometheus::Counter* opened;
+    prometheus::Counter* closed_client;
+    prometheus::Counter* closed_idle;
+    std::array<prometheus::Counter*, 5> steps;  // by aggregation
+    prometheus::Counter* scoring;
+    prometheus::Counter* skipped;
+    prometheus::Counter* ignored;
+    prometheus::Counter* evicted;
+    prometheus::Histogram* decision_seconds;
+  };
+  struct RpcSeries {
+    prometheus::Histogram* batch_seconds;
+    prometheus::Histogram* batch_sequences;
+    prometheus::Counter* received_bytes;
+    prometheus::Counter* requests;
+    std::array<prometheus::Counter*, 17> errors;  // by status code
+  };
+
+  PolicySeries& Policy(absl::string_view preset);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::vector<PolicySeries> policies_;  // presets in Policy::PresetNames() order, then custom
+  std::array<RpcSeries, kRpcCount> rpcs_;
+  std::array<prometheus::Counter*, 3> score_bytes_;  // by dtype
+  prometheus::Gauge* serving_;
+  prometheus::Gauge* streams_open_;
+};
+
+// kvcache_sequences_open, kvcache_tokens_retained, kvcache_tokens_seen and
+// kvcache_retention_ratio by policy, computed from the table when Prometheus scrapes.
+class TableGauges : public prometheus::Collectable {
+ public:
+  explicit TableGauges(const SequenceTable* table) : table_(table) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const SequenceTable* table_;
+};
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_METRICS_H_

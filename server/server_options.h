@@ -1,0 +1,30 @@
+// ServerOptions: everything kvcached is configured with. Filled from flags in
+// kvcached_main.cc (the only place flags live) and passed into the core.
+#ifndef KVCM_SERVER_SERVER_OPTIONS_H_
+#define KVCM_SERVER_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/time/time.h"
+
+namespace kvcm::server {
+
+struct ServerOptions {
+  std::string listen = "127.0.0.1:50051";          // gRPC; port 0 picks a free port
+  std::string metrics_listen = "127.0.0.1:9464";   // Prometheus /metrics; "" disables
+  int64_t max_sequences = 65536;
+  int32_t max_tp_world_size = 64;
+  int64_t max_message_bytes = 256 << 20;  // largest StepBatch accepted
+  int32_t max_streams = 1024;             // concurrent StepStream calls
+  absl::Duration idle_timeout = absl::Minutes(10);     // 0: never reclaim
+  absl::Duration reclaim_interval = absl::Seconds(1);
+  absl::Duration drain_deadline = absl::Seconds(30);
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(10);
+  int32_t metrics_threads = 2;
+};
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_SERVER_OPTIONS_H_

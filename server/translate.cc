@@ -1,0 +1,233 @@
+#include "server/translate.h"
+
+#include <bit>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcm::server {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "scores travel little-endian and are read in place");
+
+absl::StatusOr<Aggregation> FromProto(v1::Aggregation a) {
+  switch (a) {
+    case v1::AGGREGATION_UNSPECIFIED:
+    case v1::AGGREGATION_EMA:
+      return Aggregation::kEma;
+    case v1::AGGREGATION_CUMULATIVE:
+      return Aggregation::kCumulative;
+    case v1::AGGREGATION_SINGLE_STEP:
+      return Aggregation::kSingleStep;
+    case v1::AGGREGATION_RECENCY:
+      return Aggregation::kRecency;
+    case v1::AGGREGATION_RANDOM:
+      return Aggregation::kRandom;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("policy: unknown aggregation ", a));
+  }
+}
+
+absl::StatusOr<Refresh> FromProto(v1::Refresh r) {
+  switch (r) {
+    case v1::REFRESH_UNSPECIFIED:
+    case v1::REFRESH_EVERY_STEP:
+      return Refresh::kEveryStep;
+    case v1::REFRESH_LAZY:
+      return Refresh::kLazy;
+    case v1::REFRESH_SCORE_FREE:
+      return Refresh::kScoreFree;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("policy: unknown refresh ", r));
+  }
+}
+
+v1::Aggregation ToProto(Aggregation a) {
+  switch (a) {
+    case Aggregation::kEma:
+      return v1::AGGREGATION_EMA;
+    case Aggregation::kCumulative:
+      return v1::AGGREGATION_CUMULATIVE;
+    case Aggregation::kSingleStep:
+      return v1::AGGREGATION_SINGLE_STEP;
+    case Aggregation::kRecency:
+      return v1::AGGREGATION_RECENCY;
+    case Aggregation::kRandom:
+      return v1::AGGREGATION_RANDOM;
+  }
+  return v1::AGGREGATION_UNSPECIFIED;
+}
+
+v1::Refresh ToProto(Refresh r) {
+  switch (r) {
+    case Refresh::kEveryStep:
+      return v1::REFRESH_EVERY_STEP;
+    case Refresh::kLazy:
+      return v1::REFRESH_LAZY;
+    case Refresh::kScoreFree:
+      return v1::REFRESH_SCORE_FREE;
+  }
+  return v1::REFRESH_UNSPECIFIED;
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::ScoreDtype> FromProto(v1::ScoreDtype dtype,
+                                              kernels::ScoreDtype fallback) {
+  switch (dtype) {
+    case v1::SCORE_DTYPE_UNSPECIFIED:
+      return fallback;
+    case v1::SCORE_DTYPE_FLOAT32:
+      return kernels::ScoreDtype::kFloat32;
+    case v1::SCORE_DTYPE_FLOAT16:
+      return kernels::ScoreDtype::kFloat16;
+    case v1::SCORE_DTYPE_BFLOAT16:
+      return kernels::ScoreDtype::kBFloat16;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown score dtype ", dtype, " (expected float32, float16 or bfloat16)"));
+  }
+}
+
+v1::ScoreDtype ToProto(kernels::ScoreDtype dtype) {
+  switch (dtype) {
+    case kernels::ScoreDtype::kFloat32:
+      return v1::SCORE_DTYPE_FLOAT32;
+    case kernels::ScoreDtype::kFloat16:
+      return v1::SCORE_DTYPE_FLOAT16;
+    case kernels::ScoreDtype::kBFloat16:
+      return v1::SCORE_DTYPE_BFLOAT16;
+  }
+  return v1::SCORE_DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
+  OpenParams params;
+  params.id = request.sequence_id();
+  const auto context = [&](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("sequence '", params.id, "': ", s.message()));
+  };
+  params.options.prefill_len = request.prefill_len();
+  switch (request.budget_case()) {
+    case v1::OpenSequenceRequest::kBudgetTokens:
+      params.options.budget.budget_tokens = request.budget_tokens();
+      break;
+    case v1::OpenSequenceRequest::kCompressionRatio:
+      params.options.budget.compression_ratio = request.compression_ratio();
+      break;
+    case v1::OpenSequenceRequest::BUDGET_NOT_SET:
+      break;  // the engine rejects it with the budget rule's message
+  }
+  const v1::Policy& p = request.policy();
+  const bool has_fields = p.aggregation() != v1::AGGREGATION_UNSPECIFIED || p.has_alpha() ||
+                          p.refresh() != v1::REFRESH_UNSPECIFIED || p.has_refresh_interval() ||
+                          p.protect_sinks() != 0 || p.protect_recent() != 0;
+  if (!p.preset().empty()) {
+    if (has_fields) {
+      return context(absl::InvalidArgumentError(absl::StrCat(
+          "policy: preset '", p.preset(),
+          "' is given together with policy fields; give a preset (and seed) or the fields")));
+    }
+    params.options.preset = p.preset();
+  } else if (!has_fields) {
+    params.options.preset = "inertia";  // the default policy (a seed alone changes nothing)
+  } else {
+    absl::StatusOr<Aggregation> aggregation = FromProto(p.aggregation());
+    if (!aggregation.ok()) return context(aggregation.status());
+    absl::StatusOr<Refresh> refresh = FromProto(p.refresh());
+    if (!refresh.ok()) return context(refresh.status());
+    params.options.policy.aggregation = *aggregation;
+    params.options.policy.refresh = *refresh;
+    if (p.has_alpha()) params.options.policy.alpha = p.alpha();
+    if (p.has_refresh_interval()) params.options.policy.refresh_interval = p.refresh_interval();
+    params.options.policy.protect_sinks = p.protect_sinks();
+    params.options.policy.protect_recent = p.protect_recent();
+  }
+  params.options.policy.seed = p.seed();
+  params.tp_world_size = request.tp_world_size() == 0 ? 1 : request.tp_world_size();
+  absl::StatusOr<kernels::ScoreDtype> dtype =
+      FromProto(request.score_dtype(), kernels::ScoreDtype::kFloat32);
+  if (!dtype.ok()) return context(dtype.status());
+  params.score_dtype = *dtype;
+  return params;
+}
+
+void ToProto(const Policy& policy, v1::Policy* out) {
+  out->set_preset(policy.preset);
+  out->set_aggregation(ToProto(policy.aggregation));
+  out->set_alpha(policy.alpha);
+  out->set_refresh(ToProto(policy.refresh));
+  out->set_refresh_interval(policy.refresh_interval);
+  out->set_protect_sinks(policy.protect_sinks);
+  out->set_protect_recent(policy.protect_recent);
+  out->set_seed(policy.seed);
+}
+
+void ToProto(const SequenceStats& stats, v1::SequenceStats* out) {
+  out->set_steps(stats.steps);
+  out->set_scoring_steps(stats.scoring_steps);
+  out->set_skipped_scoring_steps(stats.skipped_scoring_steps);
+  out->set_ignored_score_reports(stats.ignored_score_reports);
+  out->set_tokens_evicted(stats.tokens_evicted);
+}
+
+void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out) {
+  out->set_sequence_id(info.id);
+  out->set_prefill_len(info.prefill_len);
+  out->set_budget(info.budget);
+  ToProto(info.policy, out->mutable_policy());
+  out->set_tp_world_size(info.tp_world_size);
+  out->set_score_dtype(ToProto(info.score_dtype));
+  out->set_last_step(info.last_step);
+  out->set_cache_size(info.cache_size);
+  out->set_next_needs_scores(info.next_needs_scores);
+  out->set_ranks_reported(info.ranks_reported);
+  ToProto(info.stats, out->mutable_stats());
+  out->set_idle_seconds(absl::ToDoubleSeconds(now - info.last_active));
+  out->mutable_positions()->Add(info.positions.begin(), info.positions.end());
+  out->mutable_momentum()->Add(info.momentum.begin(), info.momentum.end());
+}
+
+absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,
+                                              kernels::ScoreDtype dtype,
+                                              std::vector<uint32_t>* aligned) {
+  const std::string& bytes = report.scores();
+  const auto where = [&] {
+    return absl::StrCat("sequence '", report.sequence_id(), "' step ", report.step(), ": ");
+  };
+  if (bytes.empty()) {
+    if (report.layers() != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(), "layers is ", report.layers(), " but scores is empty"));
+    }
+    return kernels::ScoreMatrix{};
+  }
+  if (report.layers() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where(), "scores has ", bytes.size(), " bytes but layers is ", report.layers()));
+  }
+  const size_t element = kernels::ScoreDtypeSize(dtype);
+  const size_t row_elements = bytes.size() / element / static_cast<size_t>(report.layers());
+  if (bytes.size() % (element * static_cast<size_t>(report.layers())) != 0 || row_elements == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where(), "scores has ", bytes.size(), " bytes, not a whole number of ", report.layers(),
+        " layers of ", kernels::ScoreDtypeName(dtype), " (", element, " bytes each)"));
+  }
+  const void* data = bytes.data();
+  if (reinterpret_cast<uintptr_t>(data) % element != 0) {
+    aligned->resize((bytes.size() + 3) / 4);
+    std::memcpy(aligned->data(), bytes.data(), bytes.size());
+    data = aligned->data();
+  }
+  return kernels::ScoreMatrix::Dense(data, dtype, report.layers(),
+                                     static_cast<int64_t>(row_elements));
+}
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+}  // namespace kvcm::server

@@ -1,0 +1,52 @@
+// Translation between the kvcache.v1 messages and the engine's plain structs, and between
+// absl::Status and grpc::Status. No policy logic: names and numbers in, values out.
+#ifndef KVCM_SERVER_TRANSLATE_H_
+#define KVCM_SERVER_TRANSLATE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cache_manager/sequence.h"
+#include "cache_manager/sequence_table.h"
+#include "grpcpp/support/status.h"
+#include "kernels/score_matrix.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvcm::server {
+
+namespace v1 = ::kvcache::v1;
+
+struct OpenParams {
+  std::string id;
+  SequenceOptions options;
+  int32_t tp_world_size = 1;
+  kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32;
+};
+
+// Validates the request's shape (the engine validates the values) and converts it.
+absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request);
+
+// The wire dtype; UNSPECIFIED becomes `fallback`. INVALID_ARGUMENT for unknown numbers.
+absl::StatusOr<kernels::ScoreDtype> FromProto(v1::ScoreDtype dtype, kernels::ScoreDtype fallback);
+v1::ScoreDtype ToProto(kernels::ScoreDtype dtype);
+
+void ToProto(const Policy& policy, v1::Policy* out);
+void ToProto(const SequenceStats& stats, v1::SequenceStats* out);
+void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out);
+
+// Views a report's packed scores as a [layers, tokens] matrix of `dtype` without copying
+// when the bytes are suitably aligned (into `aligned` otherwise). Empty scores give a
+// matrix with layers == 0. Errors name the sequence and step.
+absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,
+                                              kernels::ScoreDtype dtype,
+                                              std::vector<uint32_t>* aligned);
+
+grpc::Status ToGrpc(const absl::Status& status);
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_TRANSLATE_H_
