@@ -1,0 +1,35 @@
+"""The generated kvcache.v1 modules (built from proto/kvcache/v1/kvcache.proto) and the
+conversions between their enums and the client's names."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+try:
+    from kvcache.v1 import kvcache_pb2 as pb
+    from kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvcache_client needs the generated modules kvcache.v1.kvcache_pb2 and "
+        "kvcache_pb2_grpc: build them (cmake --build build --target kvcm_python_stubs) and "
+        "put build/python on PYTHONPATH next to clients/python (see docs/PYTHON.md)"
+    ) from error
+
+__all__ = ["pb", "pb_grpc", "dtype_to_proto", "dtype_from_proto"]
+
+_DTYPES = {
+    "float32": pb.SCORE_DTYPE_FLOAT32,
+    "float16": pb.SCORE_DTYPE_FLOAT16,
+    "bfloat16": pb.SCORE_DTYPE_BFLOAT16,
+}
+_DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
+
+
+def dtype_to_proto(dtype: Optional[str]) -> int:
+    """The ScoreDtype of a normalized dtype name; None is UNSPECIFIED."""
+    return pb.SCORE_DTYPE_UNSPECIFIED if dtype is None else _DTYPES[dtype]
+
+
+def dtype_from_proto(value: int) -> str:
+    """The name of a ScoreDtype; UNSPECIFIED reads as float32 (the daemon's default)."""
+    return _DTYPE_NAMES.get(value, "float32")

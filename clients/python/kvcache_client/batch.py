@@ -1,0 +1,226 @@
+"""SequenceBatch: one worker rank's running batch of sequences, stepped together.
+
+    batch = client.batch()                      # one StepStream for this rank
+    batch.open("req-1", prefill_len=812, compression_ratio=0.9)
+    while generating:
+        need = batch.needs_scores()             # capture attention only when needed
+        decisions = batch.step({"req-1": scores if need else None})
+        evict(decisions["req-1"].raise_for_status().evicted)
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+
+import grpc
+
+from ._proto import pb
+from .errors import StepError
+from .results import Decision, SequenceState, SequenceStats
+from .scores import ScoresLike, ScoreShapeError
+from .stream import Report
+
+if TYPE_CHECKING:
+    from .client import KvCacheClient
+
+
+@dataclass
+class TrackedSequence:
+    """What a batch knows of one of its sequences (updated by every accepted step)."""
+
+    sequence_id: str
+    last_step: int
+    cache_size: int
+    next_needs_scores: bool
+    tp_world_size: int
+    head_count: int       #: query heads summed into this rank's rows; 0: mean-pooled
+    score_dtype: str      #: for Python floats and raw bytes without a dtype
+
+    @property
+    def next_step(self) -> int:
+        return self.last_step + 1
+
+    @property
+    def tokens(self) -> int:
+        """Scores per layer the next step carries: the cache plus the new token."""
+        return self.cache_size + 1
+
+
+class SequenceBatch:
+    """The sequences one worker rank steps together, over one StepStream.
+
+    ``step({id: scores_or_None, ...})`` sends one report per sequence listed (the others do
+    not step) and returns a dict of :class:`Decision` by sequence id. The batch numbers the
+    steps, and remembers each sequence's cache size and whether its next step needs scores:
+    ``needs_scores()`` tells the caller when it may skip capturing attention. A report that
+    cannot be right (scores of the wrong size, no scores on a step that needs them) is
+    rejected here without being sent, in a Decision like the daemon's; a rejected step
+    changes nothing and may be sent again.
+
+    Tensor parallelism: each rank makes its own batch (``client.batch(rank=p,
+    head_count=h_p)``) and sends, per layer, the SUM of its heads' attention rows. One rank
+    opens the sequence with ``tp_world_size``; the others ``add`` it. Every rank gets the
+    same decisions; a rank's step returns once all ranks have reported it, so run the
+    ranks in their own threads or processes.
+
+    Not thread-safe: one batch per rank, used from one thread.
+    """
+
+    def __init__(self, client: "KvCacheClient", *, rank: int = 0,
+                 head_count: Optional[int] = None, timeout: Optional[float] = None) -> None:
+        """``head_count``: query heads this rank sums into each row (default for its
+        sequences; required for tensor-parallel ones). ``timeout``: seconds to wait for a
+        step's decisions (default: the client's timeout)."""
+        self._client = client
+        self.rank = rank
+        self.head_count = head_count
+        self._stream = client.stream(rank=rank,
+                                     timeout=timeout if timeout is not None else client.timeout)
+        self._sequences: Dict[str, TrackedSequence] = {}
+
+    # -- membership -----------------------------------------------------------------------
+
+    def open(self, sequence_id: str, prefill_len: int, *, head_count: Optional[int] = None,
+             **options: Any) -> SequenceState:
+        """Opens a sequence on the daemon (``KvCacheClient.open_sequence`` options) and adds
+        it to this batch."""
+        self._head_count_for(sequence_id, options.get("tp_world_size", 1), head_count)
+        state = self._client.open_sequence(sequence_id, prefill_len, **options)
+        self.add(sequence_id, state=state, head_count=head_count)
+        return state
+
+    def add(self, sequence_id: str, *, state: Optional[SequenceState] = None,
+            head_count: Optional[int] = None) -> TrackedSequence:
+        """Adds an open sequence (e.g. one another rank opened), from ``state`` or, when not
+        given, from ``inspect``. Raises KvCacheError NOT_FOUND when it is not open."""
+        if state is None:
+            state = self._client.inspect(sequence_id)
+        tracked = TrackedSequence(
+            sequence_id=sequence_id, last_step=state.last_step, cache_size=state.cache_size,
+            next_needs_scores=state.next_needs_scores, tp_world_size=state.tp_world_size,
+            head_count=self._head_count_for(sequence_id, state.tp_world_size, head_count),
+            score_dtype=state.score_dtype)
+        self._sequences[sequence_id] = tracked
+        return tracked
+
+    def remove(self, sequence_id: str) -> None:
+        """Stops stepping a sequence here (it stays open on the daemon)."""
+        self._sequences.pop(sequence_id, None)
+
+    def close_sequence(self, sequence_id: str) -> SequenceStats:
+        """Closes the sequence on the daemon and removes it; returns its totals."""
+        try:
+            return self._client.close_sequence(sequence_id)
+        finally:
+            self.remove(sequence_id)
+
+    def _head_count_for(self, sequence_id: str, tp_world_size: int,
+                        head_count: Optional[int]) -> int:
+        count = head_count if head_count is not None else self.head_count
+        if tp_world_size > 1 and not count:
+            raise ValueError(
+                f"sequence {sequence_id!r} has {tp_world_size} tensor-parallel ranks: give "
+                "head_count (the query heads this rank sums into each row)")
+        return count or 0
+
+    @property
+    def sequences(self) -> Mapping[str, TrackedSequence]:
+        """The tracked sequences by id (read-only view)."""
+        return types.MappingProxyType(self._sequences)
+
+    def __contains__(self, sequence_id: object) -> bool:
+        return sequence_id in self._sequences
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def needs_scores(self, sequence_id: Optional[str] = None) -> bool:
+        """Whether the next step of ``sequence_id`` (None: of any sequence here) needs scores."""
+        if sequence_id is not None:
+            return self._sequences[sequence_id].next_needs_scores
+        return any(s.next_needs_scores for s in self._sequences.values())
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self, scores: Mapping[str, ScoresLike], *, dtype: Optional[str] = None,
+             layers: Optional[int] = None, raise_on_error: bool = False) -> Dict[str, Decision]:
+        """Steps the listed sequences once; returns their decisions by id, in input order.
+
+        Args:
+          scores: sequence id -> its layer scores for this step (anything ``encode_scores``
+            takes, a :class:`Scores` to give that entry its own layers/dtype), or None on a
+            step that needs none.
+          dtype: wire dtype for every entry (default: the input's own, else the sequence's).
+          layers: layer count for flat inputs (default: from the shape or the cache size).
+          raise_on_error: raise StepError for the first rejected step (its ``decisions``
+            holds them all) instead of returning rejections in the dict.
+        Raises:
+          KeyError: an id this batch does not track (``open`` or ``add`` it first).
+          TypeError: scores of an unsupported kind.
+          KvCacheError: the stream failed (the batch is then unusable: make a new one and
+            ``add`` the sequences, which resynchronizes them with the daemon).
+        """
+        decisions: Dict[str, Optional[Decision]] = {}
+        sent: List[str] = []
+        messages: List[pb.StepReport] = []
+        for sequence_id, value in scores.items():
+            tracked = self._tracked(sequence_id)
+            try:
+                messages.append(self._report(tracked, value, dtype, layers))
+            except ScoreShapeError as error:
+                decisions[sequence_id] = Decision.rejected(
+                    sequence_id, tracked.next_step, grpc.StatusCode.INVALID_ARGUMENT,
+                    f"sequence {sequence_id!r} step {tracked.next_step}: {error} "
+                    "(rejected by the client, not sent)",
+                    tracked.cache_size, tracked.next_needs_scores)
+                continue
+            decisions[sequence_id] = None
+            sent.append(sequence_id)
+        for sequence_id, decision in zip(sent, self._stream.send(messages)):
+            decisions[sequence_id] = decision
+            if decision.ok:
+                tracked = self._sequences.get(sequence_id)
+                if tracked is not None:
+                    tracked.last_step = decision.step
+                    tracked.cache_size = decision.cache_size
+                    tracked.next_needs_scores = decision.next_needs_scores
+        result: Dict[str, Decision] = decisions  # type: ignore[assignment]  # all filled
+        if raise_on_error:
+            for decision in result.values():
+                if not decision.ok:
+                    raise StepError(decision.sequence_id, decision.step, decision.code,
+                                    decision.message, decisions=result)
+        return result
+
+    def _tracked(self, sequence_id: str) -> TrackedSequence:
+        try:
+            return self._sequences[sequence_id]
+        except KeyError:
+            raise KeyError(f"sequence {sequence_id!r} is not in this batch; open() or add() "
+                           "it first") from None
+
+    def _report(self, tracked: TrackedSequence, value: ScoresLike, dtype: Optional[str],
+                layers: Optional[int]) -> pb.StepReport:
+        if value is None and tracked.next_needs_scores:
+            raise ScoreShapeError(f"this step needs scores ({tracked.tokens} per layer) and "
+                                  "none were given")
+        report = Report(tracked.sequence_id, tracked.next_step, value, layers=layers,
+                        dtype=dtype, head_count=tracked.head_count)
+        # Sizes are checked only where the daemon uses the scores; on other steps it
+        # ignores them (and counts them).
+        tokens = tracked.tokens if tracked.next_needs_scores else None
+        return report.to_proto(default_dtype=tracked.score_dtype, tokens=tokens)
+
+    # -- life -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends the stream. The sequences stay open on the daemon (``close_sequence`` them)."""
+        self._stream.close()
+
+    def __enter__(self) -> "SequenceBatch":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

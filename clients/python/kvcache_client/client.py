@@ -1,0 +1,137 @@
+"""KvCacheClient: a connection to kvcached and its unary calls."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import grpc
+
+from ._proto import dtype_to_proto, pb, pb_grpc
+from .batch import SequenceBatch
+from .errors import KvCacheError
+from .policy import Policy
+from .results import Decision, SequenceState, SequenceStats
+from .scores import normalize_dtype
+from .stream import ReportLike, StepStream, reports_to_proto
+
+PolicyLike = Union[Policy, str, Mapping[str, Any], None]
+
+
+class KvCacheClient:
+    """A channel to one kvcached (``"host:port"``), e.g. ``KvCacheClient("127.0.0.1:50051")``.
+
+    Unary calls raise :class:`KvCacheError` (``.code`` is a grpc.StatusCode) when they fail.
+    The step path is :meth:`batch` (or the lower-level :meth:`stream`); :meth:`step` is a
+    unary alternative for simple clients. Use it as a context manager, or call
+    :meth:`close`. Thread-safe (gRPC channels are); batches and streams are not.
+    """
+
+    def __init__(self, address: str, *, timeout: Optional[float] = None,
+                 options: Sequence[Tuple[str, Any]] = (),
+                 channel: Optional[grpc.Channel] = None) -> None:
+        """``timeout``: seconds per call (and per step reply of batches), None: no limit.
+        ``options``: gRPC channel options, e.g. ``[("grpc.max_send_message_length", n)]``.
+        ``channel``: use this channel instead of an insecure one to ``address``."""
+        self.address = address
+        self.timeout = timeout
+        self._channel = channel if channel is not None else grpc.insecure_channel(
+            address, options=list(options))
+        self._stub = pb_grpc.KvCacheStub(self._channel)
+
+    # -- sequences ------------------------------------------------------------------------
+
+    def open_sequence(self, sequence_id: str, prefill_len: int, *,
+                      budget_tokens: Optional[int] = None,
+                      compression_ratio: Optional[float] = None,
+                      policy: PolicyLike = "inertia", tp_world_size: int = 1,
+                      score_dtype: str = "float32") -> SequenceState:
+        """Registers a sequence: ``prefill_len`` prompt tokens and a budget, given as exactly
+        one of ``budget_tokens`` (tokens kept) or ``compression_ratio`` (0.9 keeps 10%).
+
+        ``policy``: a preset name (inertia, inertia_lazy4, score_free, tova, h2o,
+        streaming_llm, random), a :class:`Policy`, or a mapping of its fields.
+        ``score_dtype``: what its reports carry unless they say otherwise.
+        Raises KvCacheError: ALREADY_EXISTS, INVALID_ARGUMENT (budget, policy),
+        RESOURCE_EXHAUSTED (the daemon's --max_sequences).
+        """
+        if budget_tokens is not None and compression_ratio is not None:
+            raise ValueError("give one of budget_tokens and compression_ratio, not both")
+        request = pb.OpenSequenceRequest(
+            sequence_id=sequence_id, prefill_len=prefill_len,
+            policy=Policy.coerce(policy).to_proto(), tp_world_size=tp_world_size,
+            score_dtype=dtype_to_proto(normalize_dtype(score_dtype)))
+        if budget_tokens is not None:
+            request.budget_tokens = budget_tokens
+        if compression_ratio is not None:
+            request.compression_ratio = compression_ratio
+        response = self._call(self._stub.OpenSequence, request,
+                              f"OpenSequence({sequence_id!r})")
+        return SequenceState.from_proto(response.state)
+
+    def close_sequence(self, sequence_id: str) -> SequenceStats:
+        """Forgets a sequence; returns its totals. Raises KvCacheError NOT_FOUND."""
+        response = self._call(self._stub.CloseSequence,
+                              pb.CloseSequenceRequest(sequence_id=sequence_id),
+                              f"CloseSequence({sequence_id!r})")
+        return SequenceStats.from_proto(response.stats)
+
+    def inspect(self, sequence_id: str, include_cache: bool = False) -> SequenceState:
+        """A snapshot; with ``include_cache``, its cached positions and their momentum."""
+        response = self._call(
+            self._stub.InspectSequence,
+            pb.InspectSequenceRequest(sequence_id=sequence_id, include_cache=include_cache),
+            f"InspectSequence({sequence_id!r})")
+        return SequenceState.from_proto(response.state)
+
+    def list_sequences(self) -> List[SequenceState]:
+        """Snapshots of every open sequence (without their caches)."""
+        response = self._call(self._stub.ListSequences, pb.ListSequencesRequest(),
+                              "ListSequences")
+        return [SequenceState.from_proto(s) for s in response.sequences]
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def step(self, reports: Iterable[ReportLike], *, rank: int = 0,
+             batch_id: int = 0) -> List[Decision]:
+        """One batch of explicitly numbered steps (:class:`Report` or StepReport messages) in
+        one unary call; returns a Decision per report, in order. Per-sequence failures are
+        in the decisions; KvCacheError only for a failed call."""
+        batch = pb.StepBatch(rank=rank, batch_id=batch_id, reports=reports_to_proto(reports))
+        response = self._call(self._stub.Step, batch, "Step")
+        return [Decision.from_proto(d) for d in response.decisions]
+
+    def batch(self, *, rank: int = 0, head_count: Optional[int] = None,
+              timeout: Optional[float] = None) -> SequenceBatch:
+        """A :class:`SequenceBatch` for this worker rank (its own StepStream)."""
+        return SequenceBatch(self, rank=rank, head_count=head_count, timeout=timeout)
+
+    def stream(self, *, rank: int = 0, timeout: Optional[float] = None) -> StepStream:
+        """A raw :class:`StepStream` for this rank: explicit step numbers, no tracking."""
+        return StepStream(self._stub, rank=rank, timeout=timeout)
+
+    # -- connection -----------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits until the channel connects; raises KvCacheError UNAVAILABLE otherwise."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise KvCacheError(grpc.StatusCode.UNAVAILABLE,
+                               f"kvcached at {self.address} not reachable within {timeout} s") \
+                from None
+
+    def _call(self, method: Any, request: Any, what: str) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as error:
+            raise KvCacheError.from_rpc_error(error, what) from None
+
+    def close(self) -> None:
+        """Closes the channel (and with it every stream of this client)."""
+        self._channel.close()
+
+    def __enter__(self) -> "KvCacheClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
