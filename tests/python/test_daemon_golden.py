@@ -1,0 +1,171 @@
+"""The golden vectors replayed through the client against a real kvcached: float32 must
+match exactly; float16 and bfloat16 must decide exactly as float32 does on the rounded
+values (and, the goldens being far from ties, still match them); two tensor-parallel ranks (threads, a stream each) must match exactly too; and every
+input kind must give the same decisions."""
+
+import struct
+import threading
+from array import array
+from typing import Any, Dict, List
+
+import pytest
+
+from kvcache_client import Scores, encode_scores
+from golden import NAMES, Trace, load, quantize, replay, scale
+
+
+def open_all(batch, seq_id, traces: List[Trace], **options) -> Dict[str, Trace]:
+    by_id = {}
+    for trace in traces:
+        sid = seq_id(trace.name)
+        batch.open(sid, **trace.open_options(), **options)
+        by_id[sid] = trace
+    return by_id
+
+
+def assert_matches(got: Dict[str, List[Dict[str, Any]]], by_id: Dict[str, Trace]) -> None:
+    for sid, trace in by_id.items():
+        for want, have in zip(trace.expected, got[sid]):
+            assert have == want, f"{trace.name} step {want['step']}"
+        assert len(got[sid]) == len(trace.expected), trace.name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_float32(client, seq_id, name):
+    with client.batch() as batch:
+        by_id = open_all(batch, seq_id, [load(name)])
+        assert_matches(replay(batch, by_id), by_id)
+        for sid in by_id:
+            stats = batch.close_sequence(sid)
+            assert stats.steps == len(by_id[sid].steps)
+
+
+def test_all_goldens_in_one_batch(client, seq_id):
+    with client.batch() as batch:
+        by_id = open_all(batch, seq_id, [load(n) for n in NAMES])
+        assert_matches(replay(batch, by_id), by_id)
+
+
+# The same values, exactly representable in the narrow dtype, sent three ways.
+def _rounded(dtype):
+    return lambda layers, index: quantize(layers, dtype)
+
+
+def _float16_inputs(layers, index):  # rotate through the kinds that carry float16
+    rows = quantize(layers, "float16")
+    raw = b"".join(struct.pack(f"<{len(r)}e", *r) for r in rows)
+    kind = index % 4
+    if kind == 0:
+        return Scores(rows, dtype="float16")                       # Python floats
+    if kind == 1:
+        return Scores(memoryview(raw), dtype="float16", layers=len(rows))
+    if kind == 2:                                                          # 2-D byte view
+        return Scores(memoryview(raw).cast("B", (len(rows), len(raw) // len(rows))),
+                             dtype="float16")
+    return Scores(array("H", raw), dtype="float16", layers=len(rows))  # 16-bit bits
+
+
+def _bfloat16_inputs(layers, index):
+    raw = encode_scores(layers, dtype="bfloat16").data
+    if index % 2:
+        return Scores(raw, dtype="bfloat16", layers=len(layers))     # raw bytes
+    return Scores(layers, dtype="bfloat16")                          # converted here
+
+
+@pytest.mark.parametrize("dtype, inputs", [("float16", _float16_inputs),
+                                           ("bfloat16", _bfloat16_inputs)])
+def test_narrow_dtypes_decide_as_float32_on_the_rounded_scores(client, seq_id, dtype, inputs):
+    traces = [load(n) for n in NAMES]
+    with client.batch() as batch:
+        reference = open_all(batch, seq_id, traces)
+        narrow = open_all(batch, seq_id, traces)
+        want = replay(batch, reference, _rounded(dtype))
+        got = replay(batch, narrow, inputs)
+    for (ref_id, trace), narrow_id in zip(reference.items(), narrow):
+        assert got[narrow_id] == want[ref_id], f"{trace.name} through {dtype}"
+
+
+def test_float16_as_the_sequence_dtype(client, seq_id):
+    trace = load("ema_every_step")
+    with client.batch() as batch:
+        reference = open_all(batch, seq_id, [trace])
+        narrow = open_all(batch, seq_id, [trace], score_dtype="float16")
+        assert batch.sequences[next(iter(narrow))].score_dtype == "float16"
+        want = replay(batch, reference, _rounded("float16"))
+        # Python floats and raw bytes without a dtype take the sequence's float16.
+        got = replay(batch, narrow, lambda layers, i: layers if i % 2 else b"".join(
+            struct.pack(f"<{len(r)}e", *r) for r in layers))
+    assert list(got.values()) == list(want.values())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_dtypes_still_match_the_goldens(client, seq_id, dtype):
+    """Rounding moves scores by up to 2^-11 (float16) or 2^-8 (bfloat16) relative; the
+    goldens' eviction boundaries are far enough from ties that every golden still matches."""
+    with client.batch() as batch:
+        by_id = open_all(batch, seq_id, [load(n) for n in NAMES])
+        assert_matches(replay(batch, by_id, dtype=dtype), by_id)
+
+
+# Every input kind of float32, rotating step by step, must match the golden exactly.
+def _float32_inputs(layers, index):
+    flat = [v for row in layers for v in row]
+    packed = array("f", flat)
+    raw = packed.tobytes()
+    kinds = [
+        lambda: layers,                                                      # nested lists
+        lambda: tuple(tuple(r) for r in layers),
+        lambda: packed,                                # flat array('f'): layers from the cache
+        lambda: Scores(packed, layers=len(layers)),
+        lambda: [array("f", r) for r in layers],                             # rows of arrays
+        lambda: memoryview(raw).cast("f", (len(layers), len(layers[0]))),    # 2-D view
+        lambda: raw,                                           # bytes: the sequence's float32
+        lambda: bytearray(raw),
+        lambda: Scores(memoryview(raw), dtype="float32", layers=len(layers)),
+        lambda: flat,                                         # flat list: layers from the cache
+        lambda: array("d", flat),                             # float64, converted
+    ]
+    return kinds[index % len(kinds)]()
+
+
+@pytest.mark.parametrize("name", ["ema_every_step", "shift_protected", "ema_lazy4"])
+def test_every_float32_input_kind_matches_the_golden(client, seq_id, name):
+    with client.batch() as batch:
+        by_id = open_all(batch, seq_id, [load(name)])
+        assert_matches(replay(batch, by_id, _float32_inputs), by_id)
+
+
+def test_tensor_parallel_ranks_match_the_goldens(client, seq_id):
+    """Two ranks, a thread and a stream each; rank p holds h_p = 1 + p % 2 heads and sends
+    its rows times h_p (its heads' sum), so the joined scores are the golden's."""
+    traces = [load(n) for n in NAMES]
+    world = 2
+    by_id = {}
+    for trace in traces:
+        sid = seq_id(trace.name)
+        client.open_sequence(sid, **trace.open_options(), tp_world_size=world)
+        by_id[sid] = trace
+    results: Dict[int, Dict[str, List[Dict[str, Any]]]] = {}
+    errors: List[BaseException] = []
+
+    def run_rank(rank: int) -> None:
+        heads = 1 + rank % 2
+        try:
+            with client.batch(rank=rank, head_count=heads, timeout=60) as batch:
+                for sid in by_id:
+                    batch.add(sid)
+                results[rank] = replay(batch, by_id, lambda layers, i: scale(layers, heads))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run_rank, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    for rank in range(world):
+        assert_matches(results[rank], by_id)
+    for sid, trace in by_id.items():
+        state = client.inspect(sid)
+        assert (state.tp_world_size, state.last_step) == (world, len(trace.steps))
