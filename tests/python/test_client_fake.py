@@ -86,7 +86,8 @@ def test_raise_on_error_raises_step_error_with_every_decision(fake_client):
         with pytest.raises(StepError) as caught:
             batch.step({"a": [[0.1] * 4], "b": [[0.1]]}, raise_on_error=True)
         error = caught.value
-        assert (error.sequence_id, error.step, error.code) == ("b", 1, grpc.StatusCode.INVALID_ARGUMENT)
+        assert (error.sequence_id, error.step) == ("b", 1)
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT
         assert str(error).startswith("sequence 'b' step 1 rejected (INVALID_ARGUMENT): ")
         assert error.decisions["a"].ok
         assert batch.sequences["a"].last_step == 1 and batch.sequences["b"].last_step == 0

@@ -1,7 +1,8 @@
-"""The golden vectors replayed through the client against a real kvcached: float32 must
+"""The golden vectors replayed through the client against a real kvcached. float32 must
 match exactly; float16 and bfloat16 must decide exactly as float32 does on the rounded
-values (and, the goldens being far from ties, still match them); two tensor-parallel ranks (threads, a stream each) must match exactly too; and every
-input kind must give the same decisions."""
+values (and, the goldens being far from ties, still match them); two tensor-parallel ranks
+(threads, a stream each) must match exactly too; and every input kind must give the same
+decisions."""
 
 import struct
 import threading
