@@ -7,14 +7,12 @@
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
+#include "server/health_service.h"
 #include "server/kvcache_service.h"
 
 namespace kvcm::server {
 namespace {
-
-constexpr char kServiceName[] = "kvcache.v1.KvCache";
 
 // "127.0.0.1:0" with port 50123 bound -> "127.0.0.1:50123".
 std::string WithPort(const std::string& address, int port) {
@@ -55,12 +53,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
 
   d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->metrics_.get());
-  grpc::EnableDefaultHealthCheckService(true);
+  d->health_ = std::make_unique<HealthService>();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(d->service_.get());
+  builder.RegisterService(d->health_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(options.keepalive_time));
@@ -74,9 +73,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
   }
   d->grpc_address_ = WithPort(options.listen, port);
-  grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
+  d->health_->SetServing(true);
   d->metrics_->SetServing(true);
   d->reclaimer_ = std::thread([daemon = d.get()] { daemon->ReclaimLoop(); });
   return d;
@@ -100,9 +97,7 @@ void Daemon::Drain(absl::Duration deadline) {
     if (drained_) return;
     drained_ = true;
   }
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
+  health_->Shutdown();  // NOT_SERVING, and watchers' calls end
   metrics_->SetServing(false);
   service_->StartDraining();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));

@@ -25,6 +25,7 @@ class Exposer;
 
 namespace kvcm::server {
 
+class HealthService;
 class KvCacheService;
 
 class Daemon {
@@ -40,9 +41,9 @@ class Daemon {
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
 
-  // Health goes NOT_SERVING, new calls are refused, open streams end once their in-flight
-  // batches are answered, and whatever still runs at `deadline` is cancelled. Returns when
-  // the server has stopped. Idempotent.
+  // Health goes NOT_SERVING and new calls are refused; calls already open (step streams
+  // included) keep being served until their clients end them, and whatever still runs at
+  // `deadline` is cancelled. Returns when the server has stopped. Idempotent.
   void Drain(absl::Duration deadline);
 
   SequenceTable& table() { return *table_; }
@@ -58,6 +59,7 @@ class Daemon {
   std::shared_ptr<TableGauges> table_gauges_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<HealthService> health_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   std::string metrics_address_;

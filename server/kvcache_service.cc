@@ -106,12 +106,12 @@ grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepS
     if (draining_) {
       refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                              "kvcached is draining; open the stream on another daemon");
-    } else if (static_cast<int64_t>(streams_.size()) >= options_.max_streams) {
+    } else if (open_streams_ >= options_.max_streams) {
       refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                              absl::StrCat("kvcached already serves the maximum of ",
                                           options_.max_streams, " step streams"));
     }
-    streams_.insert(reactor);
+    ++open_streams_;  // refused ones too: every reactor reports StreamDone
   }
   if (!refusal.ok()) metrics_->Error(Rpc::kStepStream, static_cast<absl::StatusCode>(refusal.error_code()));
   reactor->Start(refusal);
@@ -119,17 +119,13 @@ grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepS
 }
 
 void KvCacheService::StartDraining() {
-  // Reactors leave the set only in OnDone (StreamDone), which needs mu_: holding it keeps
-  // every reactor alive while it is told to drain. gRPC never runs OnDone inline from
-  // Finish, so Drain may finish a call here.
   absl::MutexLock lock(&mu_);
   draining_ = true;
-  for (StepStreamReactor* reactor : streams_) reactor->Drain();
 }
 
-void KvCacheService::StreamDone(StepStreamReactor* reactor) {
+void KvCacheService::StreamDone() {
   absl::MutexLock lock(&mu_);
-  streams_.erase(reactor);
+  --open_streams_;
 }
 
 }  // namespace kvcm::server

@@ -10,7 +10,6 @@
 #include <memory>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "cache_manager/sequence_table.h"
 #include "grpcpp/grpcpp.h"
@@ -46,12 +45,12 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
   grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch>* StepStream(
       grpc::CallbackServerContext* context) override;
 
-  // Draining: new streams are refused, and open streams end (UNAVAILABLE) once their
-  // in-flight batches are answered, so that clients move to another daemon.
+  // Draining: new streams are refused; open ones keep being answered until their clients
+  // close them (or the server's drain deadline cancels them).
   void StartDraining();
 
   // Called by a stream reactor when it is done.
-  void StreamDone(StepStreamReactor* reactor);
+  void StreamDone();
 
  private:
   const ServerOptions options_;
@@ -59,7 +58,7 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
   ServerMetrics* const metrics_;
   StepBatchProcessor processor_;
   absl::Mutex mu_;
-  absl::flat_hash_set<StepStreamReactor*> streams_ ABSL_GUARDED_BY(mu_);
+  int64_t open_streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -38,11 +38,6 @@ std::optional<grpc::Status> StepStreamReactor::TakeFinishLocked() {
     finished_ = true;
     return grpc::Status::OK;
   }
-  if (draining_) {
-    finished_ = true;
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "kvcached is draining; reopen the stream on another daemon");
-  }
   return std::nullopt;
 }
 
@@ -71,7 +66,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
   bool read_more;
   {
     absl::MutexLock lock(&mu_);
-    read_more = !finished_ && !draining_;
+    read_more = !finished_;
   }
   if (read_more) StartRead(&request_);
 }
@@ -120,23 +115,13 @@ void StepStreamReactor::OnCancel() {
   if (finish) Finish(*finish);
 }
 
-void StepStreamReactor::Drain() {
-  std::optional<grpc::Status> finish;
-  {
-    absl::MutexLock lock(&mu_);
-    draining_ = true;
-    finish = TakeFinishLocked();
-  }
-  if (finish) Finish(*finish);
-}
-
 void StepStreamReactor::OnDone() {
   {
     absl::MutexLock lock(&link_->mu);
     link_->reactor = nullptr;
   }
   if (accepted_) metrics_->StreamClosed();
-  service_->StreamDone(this);
+  service_->StreamDone();
   delete this;
 }
 

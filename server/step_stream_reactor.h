@@ -33,9 +33,6 @@ class StepStreamReactor
   // Starts reading, or ends the call at once with `refusal` when it is not OK.
   void Start(const grpc::Status& refusal);
 
-  // Ends the stream with UNAVAILABLE once nothing is in flight (daemon draining).
-  void Drain();
-
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
@@ -63,7 +60,6 @@ class StepStreamReactor
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // batches read and not yet answered
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool accepted_ = false;  // counted in kvcache_streams_open

@@ -1,0 +1,52 @@
+// HealthService: grpc.health.v1.Health for "" (the whole server) and
+// "kvcache.v1.KvCache". Check answers Kubernetes' gRPC probes; Watch streams every change.
+// On Shutdown each watcher is sent NOT_SERVING and its call ends, so that watchers never
+// hold up a drain (gRPC's built-in health service keeps them open until the deadline).
+// Thread-safe. Lock order: HealthService::mu_, then a watcher's own mutex.
+#ifndef KVCM_SERVER_HEALTH_SERVICE_H_
+#define KVCM_SERVER_HEALTH_SERVICE_H_
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvcm::server {
+
+class HealthWatcher;
+
+class HealthService final : public ::grpc::health::v1::Health::CallbackService {
+ public:
+  using Status = ::grpc::health::v1::HealthCheckResponse::ServingStatus;
+
+  HealthService() = default;
+  ~HealthService() override;
+
+  void SetServing(bool serving);
+  // NOT_SERVING from now on; every Watch call ends after telling its client so.
+  void Shutdown();
+
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* context,
+                                  const ::grpc::health::v1::HealthCheckRequest* request,
+                                  ::grpc::health::v1::HealthCheckResponse* response) override;
+  grpc::ServerWriteReactor<::grpc::health::v1::HealthCheckResponse>* Watch(
+      grpc::CallbackServerContext* context,
+      const ::grpc::health::v1::HealthCheckRequest* request) override;
+
+  // Called by a watcher when its call is done.
+  void WatcherDone(HealthWatcher* watcher);
+
+ private:
+  // The status of `service`, or SERVICE_UNKNOWN.
+  Status StatusOf(const std::string& service) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<HealthWatcher*> watchers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_HEALTH_SERVICE_H_

@@ -1,0 +1,141 @@
+#include "tests/server/daemon_process.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
+
+namespace kvcm::testing {
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
+    const std::vector<std::string>& extra_flags) {
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess());
+  char pattern[] = "/tmp/kvcached_test_XXXXXX";
+  if (mkdtemp(pattern) == nullptr) return absl::InternalError("mkdtemp failed");
+  d->dir_ = pattern;
+  const std::string port_file = d->dir_ + "/ports.json";
+  const std::string log = d->dir_ + "/stderr.log";
+  std::vector<std::string> args = {std::string(KVCM_BIN_DIR) + "/kvcached",
+                                   "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                                   "--port_file=" + port_file};
+  args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+  d->pid_ = fork();
+  if (d->pid_ == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!std::filesystem::exists(port_file)) {
+    int status = 0;
+    if (waitpid(d->pid_, &status, WNOHANG) == d->pid_) {
+      d->pid_ = -1;
+      return absl::InternalError(absl::StrCat("kvcached exited at start: ", d->Log()));
+    }
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("kvcached did not start");
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  std::ifstream in(port_file);
+  const nlohmann::json ports = nlohmann::json::parse(in);
+  d->grpc_address_ = ports["grpc"].get<std::string>();
+  d->metrics_address_ = ports["metrics"].get<std::string>();
+  return d;
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  std::filesystem::remove_all(dir_);
+}
+
+std::unique_ptr<client::KvCacheClient> DaemonProcess::Connect() const {
+  client::ClientOptions options;
+  options.address = grpc_address_;
+  auto c = client::KvCacheClient::Connect(options);
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+int DaemonProcess::SignalAndWait(int signal, absl::Duration timeout) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, signal);
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return -1;
+}
+
+std::string DaemonProcess::Log() const {
+  std::ifstream in(dir_ + "/stderr.log");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path) {
+  const std::vector<std::string> host_port = absl::StrSplit(address, ':');
+  int port = 0;
+  if (host_port.size() != 2 || !absl::SimpleAtoi(host_port[1], &port)) {
+    return absl::InvalidArgumentError("bad address " + address);
+  }
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, host_port[0].c_str(), &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return absl::UnavailableError("cannot connect to " + address);
+  }
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ", address, "\r\n\r\n");
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return absl::UnavailableError("write failed");
+  }
+  std::string response;
+  char buffer[65536];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, static_cast<size_t>(n));
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  if (body == std::string::npos) return absl::DataLossError("no HTTP body");
+  return response.substr(body + 4);
+}
+
+double MetricValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series) && line.size() > series.size() && line[series.size()] == ' ') {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+}  // namespace kvcm::testing
