@@ -11,7 +11,8 @@
 namespace kvcm::server {
 
 struct ServerOptions {
-  std::string listen = "127.0.0.1:50051";          // gRPC; port 0 picks a free port
+  // gRPC: host:port (port 0 picks a free port) or unix:/path (workers on the same node).
+  std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";   // Prometheus /metrics; "" disables
   int64_t max_sequences = 65536;
   int32_t max_tp_world_size = 64;
