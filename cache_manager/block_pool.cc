@@ -302,7 +302,7 @@ BlockPool::BlockPool(const BlockPoolOptions& options, int64_t capacity_blocks,
 }
 
 BlockPool::~BlockPool() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   KVCM_CHECK(leases_ == 0);
   KVCM_CHECK(static_cast<int64_t>(free_blocks_.size()) == capacity_blocks_);
 }
@@ -320,7 +320,7 @@ BlockPoolUsage BlockPool::Usage() const {
   usage.capacity_blocks = capacity_blocks_;
   usage.block_bytes = layout_.BlockBytes();
   usage.tokens_per_block = layout_.tokens_per_block;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   usage.used_blocks = capacity_blocks_ - static_cast<int64_t>(free_blocks_.size());
   usage.leases = leases_;
   return usage;
@@ -332,7 +332,7 @@ void* BlockPool::BlockData(int32_t block) const {
 }
 
 absl::Status BlockPool::TakeBlocks(int64_t count, std::vector<int32_t>* out) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const int64_t available = static_cast<int64_t>(free_blocks_.size());
   if (count > available) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -348,12 +348,12 @@ absl::Status BlockPool::TakeBlocks(int64_t count, std::vector<int32_t>* out) {
 }
 
 void BlockPool::ReturnBlocks(std::span<const int32_t> blocks) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   free_blocks_.insert(free_blocks_.end(), blocks.rbegin(), blocks.rend());
 }
 
 void BlockPool::AddLeases(int64_t delta) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   leases_ += delta;
 }
 

@@ -36,7 +36,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/kv_storage.h"
 #include "kernels/kv_compaction.h"
 
@@ -186,7 +186,7 @@ class BlockPool {
   const int64_t capacity_blocks_;
   const std::unique_ptr<KvStorage> storage_;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<int32_t> free_blocks_ ABSL_GUARDED_BY(mu_);  // a stack: lowest id on top
   int64_t leases_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -4,7 +4,7 @@
 #define KVCM_CACHE_MANAGER_CLOCK_H_
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -24,16 +24,16 @@ class ManualClock : public Clock {
  public:
   explicit ManualClock(absl::Time start = absl::UnixEpoch()) : now_(start) {}
   absl::Time Now() const override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return now_;
   }
   void Advance(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     now_ += d;
   }
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::Time now_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -24,7 +24,7 @@ SequenceTable::SequenceTable(SequenceTableOptions options)
 SequenceTable::~SequenceTable() {
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     entries.swap(entries_);
   }
   for (auto& [id, entry] : entries) {
@@ -35,7 +35,7 @@ SequenceTable::~SequenceTable() {
 }
 
 std::shared_ptr<SequenceTable::Entry> SequenceTable::Find(absl::string_view id) const {
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   auto it = entries_.find(id);
   return it == entries_.end() ? nullptr : it->second;
 }
@@ -62,11 +62,11 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   auto entry = std::make_shared<Entry>(std::move(sequence), tp_world_size, score_dtype);
   SequenceInfo info;
   {
-    absl::MutexLock entry_lock(&entry->mu);
+    MutexLock entry_lock(&entry->mu);
     entry->last_active = clock_->Now();
     info = Snapshot(*entry, /*with_cache=*/false);
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (entries_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' is already open"));
   }
@@ -80,7 +80,7 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
 }
 
 std::vector<RankDecisionCallback> SequenceTable::Abandon(Entry& entry) {
-  absl::MutexLock lock(&entry.mu);
+  MutexLock lock(&entry.mu);
   entry.closed = true;
   entry.join.Reset();
   return std::exchange(entry.waiting, {});
@@ -89,7 +89,7 @@ std::vector<RankDecisionCallback> SequenceTable::Abandon(Entry& entry) {
 absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id) {
   std::shared_ptr<Entry> entry;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = entries_.find(id);
     if (it == entries_.end()) return NotFound(id);
     entry = std::move(it->second);
@@ -97,7 +97,7 @@ absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id) {
   }
   SequenceInfo last;
   {
-    absl::MutexLock lock(&entry->mu);
+    MutexLock lock(&entry->mu);
     last = Snapshot(*entry, /*with_cache=*/false);
   }
   std::vector<RankDecisionCallback> callbacks = Abandon(*entry);
@@ -117,7 +117,7 @@ absl::Status SequenceTable::Step(absl::string_view id, int64_t step,
                                  EvictionDecision* decision) {
   std::shared_ptr<Entry> entry = Find(id);
   if (entry == nullptr) return NotFound(id);
-  absl::MutexLock lock(&entry->mu);
+  MutexLock lock(&entry->mu);
   if (entry->closed) return NotFound(id);
   if (entry->join.world_size() != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -136,7 +136,7 @@ absl::Status SequenceTable::SubmitRankReport(absl::string_view id, const RankRep
   std::vector<RankDecisionCallback> callbacks;
   absl::StatusOr<EvictionDecision> result;
   {
-    absl::MutexLock lock(&entry->mu);
+    MutexLock lock(&entry->mu);
     if (entry->closed) return NotFound(id);
     Sequence& sequence = *entry->sequence;
     if (entry->join.world_size() == 1 && report.head_count == 0) {
@@ -221,7 +221,7 @@ absl::StatusOr<SequenceInfo> SequenceTable::Inspect(absl::string_view id,
                                                     bool with_cache) const {
   std::shared_ptr<Entry> entry = Find(id);
   if (entry == nullptr) return NotFound(id);
-  absl::MutexLock lock(&entry->mu);
+  MutexLock lock(&entry->mu);
   if (entry->closed) return NotFound(id);
   entry->last_active = clock_->Now();
   return Snapshot(*entry, with_cache);
@@ -230,14 +230,14 @@ absl::StatusOr<SequenceInfo> SequenceTable::Inspect(absl::string_view id,
 std::vector<SequenceInfo> SequenceTable::List() const {
   std::vector<std::shared_ptr<Entry>> entries;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    ReaderMutexLock lock(&mu_);
     entries.reserve(entries_.size());
     for (const auto& [id, entry] : entries_) entries.push_back(entry);
   }
   std::vector<SequenceInfo> out;
   out.reserve(entries.size());
   for (const auto& entry : entries) {
-    absl::MutexLock lock(&entry->mu);
+    MutexLock lock(&entry->mu);
     if (!entry->closed) out.push_back(Snapshot(*entry, /*with_cache=*/false));
   }
   return out;
@@ -246,13 +246,13 @@ std::vector<SequenceInfo> SequenceTable::List() const {
 SequenceTableTotals SequenceTable::Totals() const {
   std::vector<std::shared_ptr<Entry>> entries;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    ReaderMutexLock lock(&mu_);
     entries.reserve(entries_.size());
     for (const auto& [id, entry] : entries_) entries.push_back(entry);
   }
   SequenceTableTotals totals;
   for (const auto& entry : entries) {
-    absl::MutexLock lock(&entry->mu);
+    MutexLock lock(&entry->mu);
     if (entry->closed) continue;
     ++totals.open_sequences;
     totals.cached_tokens += entry->sequence->cache_size();
@@ -264,7 +264,7 @@ std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout
   const absl::Time cutoff = clock_->Now() - idle_timeout;
   std::vector<std::pair<std::string, std::shared_ptr<Entry>>> idle;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto it = entries_.begin(); it != entries_.end();) {
       // An entry whose lock is busy is being stepped right now: not idle. TryLock keeps a
       // long step from stalling the whole table behind this scan.
@@ -286,7 +286,7 @@ std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout
   reclaimed.reserve(idle.size());
   for (auto& [id, entry] : idle) {
     {
-      absl::MutexLock lock(&entry->mu);
+      MutexLock lock(&entry->mu);
       reclaimed.push_back(Snapshot(*entry, /*with_cache=*/false));
     }
     std::vector<RankDecisionCallback> callbacks = Abandon(*entry);

@@ -19,7 +19,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "absl/time/time.h"
 #include "cache_manager/clock.h"
 #include "cache_manager/eviction_decision.h"
@@ -113,7 +113,7 @@ class SequenceTable {
   struct Entry {
     Entry(std::unique_ptr<Sequence> s, int32_t world_size, kernels::ScoreDtype dtype)
         : sequence(std::move(s)), join(world_size), score_dtype(dtype) {}
-    mutable absl::Mutex mu;
+    mutable Mutex mu;
     std::unique_ptr<Sequence> sequence ABSL_GUARDED_BY(mu);
     TensorParallelJoin join ABSL_GUARDED_BY(mu);
     const kernels::ScoreDtype score_dtype;
@@ -139,7 +139,7 @@ class SequenceTable {
 
   const SequenceTableOptions options_;
   const Clock* const clock_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
 };
 

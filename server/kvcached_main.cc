@@ -7,6 +7,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -119,7 +120,10 @@ int main(int argc, char** argv) {
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
                absl::FormatDuration(options.drain_deadline).c_str());
   (*daemon)->Drain(options.drain_deadline);
-  daemon->reset();
   std::fprintf(stderr, "kvcached: stopped\n");
-  return 0;
+  std::fflush(nullptr);
+  // Every call has ended and nothing is left to save. Skip the teardown: stopping the
+  // metrics HTTP server alone takes one to two seconds (its poll loop checks for stop
+  // once a second), which would only delay the pod's exit.
+  std::_Exit(0);
 }

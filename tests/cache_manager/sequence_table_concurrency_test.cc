@@ -2,6 +2,8 @@
 // closing and reclaiming, plus tensor-parallel ranks reporting from different threads.
 // Run under ThreadSanitizer by scripts/test.sh (label concurrency).
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
@@ -92,20 +94,23 @@ TEST(SequenceTableConcurrencyTest, RanksReportingFromTheirOwnThreadsAllGetTheSam
         r.step = t;
         r.head_count = 1;
         r.partial_sums = scores.matrix;
-        absl::Mutex mu;
+        // std::mutex, not absl::Mutex: this test also runs under TSan (cache_manager/mutex.h).
+        std::mutex mu;
+        std::condition_variable decided;
         bool done = false;
         EvictionDecision got;
         ASSERT_TRUE(table
                         .SubmitRankReport("tp", r,
                                           [&](const absl::StatusOr<EvictionDecision>& d) {
-                                            absl::MutexLock lock(&mu);
+                                            std::lock_guard<std::mutex> lock(mu);
                                             ASSERT_TRUE(d.ok()) << d.status();
                                             got = *d;
                                             done = true;
+                                            decided.notify_one();
                                           })
                         .ok());
-        absl::MutexLock lock(&mu);
-        mu.Await(absl::Condition(&done));
+        std::unique_lock<std::mutex> lock(mu);
+        decided.wait(lock, [&] { return done; });
         received[static_cast<size_t>(rank)].push_back(got);
         cache = got.cache_size;
       }
