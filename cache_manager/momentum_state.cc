@@ -57,8 +57,13 @@ int64_t MomentumState::ApplyScores(const kernels::ScoreMatrix& scores,
   kernels::cpu::UpdateMomentum(momentum_.data(), update_scratch_.data(), size(), scores,
                                options, &invalid, nullptr);
   if (invalid != 0) return invalid;
-  // Commit: the scratch becomes the momentum. Both keep their capacity.
-  std::copy_n(update_scratch_.data(), size(), momentum_.data());
+  // Commit: the scratch becomes the momentum, and the old momentum the next scratch. Both
+  // were reserved to capacity_, so the resizes neither allocate nor, in the steady state
+  // (size() == capacity_), touch any element.
+  const size_t n = momentum_.size();
+  momentum_.swap(update_scratch_);
+  momentum_.resize(n);
+  update_scratch_.resize(static_cast<size_t>(capacity_));
   return 0;
 }
 
