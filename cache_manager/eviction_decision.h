@@ -7,12 +7,26 @@
 #include <vector>
 
 #include "cache_manager/policy.h"
+#include "kernels/kv_compaction.h"
 
 namespace kvcm {
+
+// What happened to one rank's KV slots in a step (when the daemon holds KV pools).
+struct KvSlotChanges {
+  int32_t rank = 0;
+  // Where the step's token's K/V goes (after any compaction of this step); -1 when the
+  // token was evicted in its own step.
+  int64_t new_token_slot = -1;
+  std::vector<kernels::KvMove> moves;        // compaction: K/V moved from src to dst slot
+  std::vector<int32_t> released_blocks;      // blocks returned to the pool
+};
 
 struct EvictionDecision {
   int64_t step = 0;
   std::vector<int64_t> evicted;  // positions, ascending
+  // The same tokens as indices into the cache before eviction (the new token last):
+  // what slot tables and KV leases are updated with.
+  std::vector<int64_t> evicted_indices;
   int64_t cache_size = 0;        // tokens cached after eviction
   bool next_needs_scores = false;
   // Beyond the contract, for accounting: whether this step was a scoring step, and
@@ -23,11 +37,15 @@ struct EvictionDecision {
   // policy given field by field, and its aggregation.
   std::string preset;
   Aggregation aggregation = Aggregation::kEma;
+  // Per rank, when the sequence holds KV leases; empty otherwise.
+  std::vector<KvSlotChanges> kv;
 
   // Clears for reuse, keeping the capacity of `evicted`.
   void Reset() {
     step = 0;
     evicted.clear();
+    evicted_indices.clear();
+    kv.clear();
     cache_size = 0;
     next_needs_scores = scored = scores_ignored = false;
   }

@@ -79,19 +79,21 @@ int64_t MomentumState::FirstUnprotectedSinkIndex(int64_t protect_sinks) const {
 }
 
 void MomentumState::EvictLowest(int64_t begin, int64_t end, int64_t k,
-                                std::vector<int64_t>* evicted) {
+                                std::vector<int64_t>* evicted, std::vector<int64_t>* indices) {
   if (k <= 0) return;
   KVCM_CHECK(k <= end - begin);
   kernels::cpu::SelectLowest(momentum_.data(), begin, end, k, selected_scratch_.data(),
                              select_scratch_.data(), nullptr);
   EvictIndices(std::span<const int64_t>(selected_scratch_.data(), static_cast<size_t>(k)),
-               evicted);
+               evicted, indices);
 }
 
 void MomentumState::EvictIndices(std::span<const int64_t> indices,
-                                 std::vector<int64_t>* evicted) {
+                                 std::vector<int64_t>* evicted,
+                                 std::vector<int64_t>* evicted_indices) {
   if (indices.empty()) return;
   for (int64_t index : indices) evicted->push_back(positions_[static_cast<size_t>(index)]);
+  evicted_indices->insert(evicted_indices->end(), indices.begin(), indices.end());
   kernels::cpu::RemoveEntries(momentum_.data(), positions_.data(), size(), indices.data(),
                               static_cast<int64_t>(indices.size()), nullptr);
   const size_t remaining = positions_.size() - indices.size();

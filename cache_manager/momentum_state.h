@@ -47,13 +47,15 @@ class MomentumState {
   int64_t FirstUnprotectedSinkIndex(int64_t protect_sinks) const;
 
   // Evicts the `k` lowest-momentum tokens among indices [begin, end) (ties: lower position)
-  // and appends their positions, ascending, to `evicted`.
+  // and appends their positions, ascending, to `evicted` and their indices to `indices`.
   // REQUIRES: 0 <= k <= end - begin.
-  void EvictLowest(int64_t begin, int64_t end, int64_t k, std::vector<int64_t>* evicted);
+  void EvictLowest(int64_t begin, int64_t end, int64_t k, std::vector<int64_t>* evicted,
+                   std::vector<int64_t>* indices);
 
   // Evicts the tokens at `indices` (ascending, distinct) and appends their positions to
-  // `evicted`.
-  void EvictIndices(std::span<const int64_t> indices, std::vector<int64_t>* evicted);
+  // `evicted` and the indices to `evicted_indices`.
+  void EvictIndices(std::span<const int64_t> indices, std::vector<int64_t>* evicted,
+                    std::vector<int64_t>* evicted_indices);
 
   // Releases scratch beyond what a cache of at most `budget` tokens needs (after the large
   // first-step eviction of a long prefill).

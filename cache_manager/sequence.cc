@@ -120,9 +120,9 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
     // Validate() guarantees protect_sinks + protect_recent <= budget, so at least `excess`
     // tokens are unprotected.
     if (policy_.aggregation == Aggregation::kRandom) {
-      EvictRandom(begin, end, excess, &decision->evicted);
+      EvictRandom(begin, end, excess, decision);
     } else {
-      state_.EvictLowest(begin, end, excess, &decision->evicted);
+      state_.EvictLowest(begin, end, excess, &decision->evicted, &decision->evicted_indices);
     }
     if (step == 1) state_.ShrinkTo(budget_);
   }
@@ -164,8 +164,7 @@ uint64_t Sequence::UniformBelow(uint64_t bound) {
   return static_cast<uint64_t>(m >> 64);
 }
 
-void Sequence::EvictRandom(int64_t begin, int64_t end, int64_t k,
-                           std::vector<int64_t>* evicted) {
+void Sequence::EvictRandom(int64_t begin, int64_t end, int64_t k, EvictionDecision* decision) {
   const int64_t count = end - begin;
   random_choice_.clear();
   if (k == 1) {
@@ -181,7 +180,7 @@ void Sequence::EvictRandom(int64_t begin, int64_t end, int64_t k,
     random_choice_.assign(pool.begin(), pool.begin() + k);
     std::sort(random_choice_.begin(), random_choice_.end());
   }
-  state_.EvictIndices(random_choice_, evicted);
+  state_.EvictIndices(random_choice_, &decision->evicted, &decision->evicted_indices);
 }
 
 }  // namespace kvcm

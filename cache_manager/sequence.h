@@ -73,7 +73,7 @@ class Sequence {
 
   absl::Status CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const;
   absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores) const;
-  void EvictRandom(int64_t begin, int64_t end, int64_t k, std::vector<int64_t>* evicted);
+  void EvictRandom(int64_t begin, int64_t end, int64_t k, EvictionDecision* decision);
   uint64_t UniformBelow(uint64_t bound);
 
   const std::string id_;

@@ -63,6 +63,11 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   SequenceInfo info;
   {
     MutexLock entry_lock(&entry->mu);
+    if (options_.kv_pools != nullptr) {
+      ASSIGN_OR_RETURN(SequenceKv kv,
+                       SequenceKv::Lease(*options_.kv_pools, options.prefill_len, id));
+      entry->kv.emplace(std::move(kv));
+    }
     entry->last_active = clock_->Now();
     info = Snapshot(*entry, /*with_cache=*/false);
   }
@@ -124,8 +129,25 @@ absl::Status SequenceTable::Step(absl::string_view id, int64_t step,
         "sequence '", id, "' has ", entry->join.world_size(),
         " tensor-parallel ranks; step it with one report per rank"));
   }
-  RETURN_IF_ERROR(entry->sequence->Step(step, scores, decision));
+  RETURN_IF_ERROR(StepEntry(*entry, step, scores, decision));
   entry->last_active = clock_->Now();
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::StepEntry(Entry& entry, int64_t step,
+                                      const kernels::ScoreMatrix* scores,
+                                      EvictionDecision* decision) {
+  if (!entry.kv.has_value()) return entry.sequence->Step(step, scores, decision);
+  // The new token's slot first, so that a full pool rejects the step before it happens.
+  if (step == entry.sequence->last_step() + 1) {
+    RETURN_IF_ERROR(entry.kv->AppendToken(entry.sequence->id(), step));
+  }
+  absl::Status stepped = entry.sequence->Step(step, scores, decision);
+  if (!stepped.ok()) {
+    if (step == entry.sequence->last_step() + 1) entry.kv->UndoAppend();
+    return stepped;
+  }
+  entry.kv->ApplyDecision(decision);
   return absl::OkStatus();
 }
 
@@ -138,7 +160,6 @@ absl::Status SequenceTable::SubmitRankReport(absl::string_view id, const RankRep
   {
     MutexLock lock(&entry->mu);
     if (entry->closed) return NotFound(id);
-    Sequence& sequence = *entry->sequence;
     if (entry->join.world_size() == 1 && report.head_count == 0) {
       // Already pooled by a single-rank worker: step in place, no copy, no join.
       if (report.rank != 0) {
@@ -146,7 +167,7 @@ absl::Status SequenceTable::SubmitRankReport(absl::string_view id, const RankRep
             "sequence '", id, "' step ", report.step, ": rank ", report.rank,
             " reported for a sequence with a single rank"));
       }
-      RETURN_IF_ERROR(sequence.Step(report.step, &report.partial_sums, &entry->decision));
+      RETURN_IF_ERROR(StepEntry(*entry, report.step, &report.partial_sums, &entry->decision));
       entry->last_active = clock_->Now();
       result = entry->decision;
     } else {
@@ -178,7 +199,7 @@ absl::Status SequenceTable::AddToJoin(Entry& entry, absl::string_view id, const 
 
     const kernels::ScoreMatrix joined = entry.join.Join();
     const bool ignored = entry.join.any_scores_ignored();
-    absl::Status status = sequence.Step(step, &joined, &entry.decision);
+    absl::Status status = StepEntry(entry, step, &joined, &entry.decision);
     if (status.ok()) {
       // The ranks' scores on a non-scoring step never reach Sequence::Step (the join drops
       // them), so the accounting of ignored scores happens here.
@@ -213,6 +234,7 @@ SequenceInfo SequenceTable::Snapshot(const Entry& entry, bool with_cache) {
     const auto momentum = s.state().momentum();
     info.positions.assign(positions.begin(), positions.end());
     info.momentum.assign(momentum.begin(), momentum.end());
+    if (entry.kv.has_value()) info.kv_slots = entry.kv->Slots();
   }
   return info;
 }

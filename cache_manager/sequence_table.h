@@ -11,7 +11,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -19,10 +18,12 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cache_manager/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache_manager/clock.h"
 #include "cache_manager/eviction_decision.h"
+#include "cache_manager/kv_pools.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/sequence.h"
 #include "cache_manager/tensor_parallel_join.h"
 
@@ -32,6 +33,10 @@ struct SequenceTableOptions {
   int64_t max_sequences = 65536;
   int32_t max_tp_world_size = 64;
   const Clock* clock = nullptr;  // nullptr: Clock::Real()
+  // The node's KV pools, or nullptr: then sequences hold no KV memory, only decisions.
+  // With pools, every sequence leases slots for its cache on every rank. Not owned; must
+  // outlive the table.
+  KvPools* kv_pools = nullptr;
 };
 
 // A snapshot of one sequence.
@@ -48,9 +53,11 @@ struct SequenceInfo {
   int32_t ranks_reported = 0;  // for the pending step, tensor-parallel only
   SequenceStats stats;
   absl::Time last_active;
-  // Only when asked for: the cached positions (ascending) and their momentum.
+  // Only when asked for: the cached positions (ascending) and their momentum, and with
+  // KV pools each rank's slot of each cached token ([ranks][cache_size]).
   std::vector<int64_t> positions;
   std::vector<float> momentum;
+  std::vector<std::vector<int64_t>> kv_slots;
 };
 
 struct SequenceTableTotals {
@@ -117,6 +124,7 @@ class SequenceTable {
     std::unique_ptr<Sequence> sequence ABSL_GUARDED_BY(mu);
     TensorParallelJoin join ABSL_GUARDED_BY(mu);
     const kernels::ScoreDtype score_dtype;
+    std::optional<SequenceKv> kv ABSL_GUARDED_BY(mu);  // with KV pools
     std::vector<RankDecisionCallback> waiting ABSL_GUARDED_BY(mu);
     EvictionDecision decision ABSL_GUARDED_BY(mu);  // reused by tensor-parallel steps
     absl::Time last_active ABSL_GUARDED_BY(mu);
@@ -127,6 +135,9 @@ class SequenceTable {
   absl::Status NotFound(absl::string_view id) const;
   static SequenceInfo Snapshot(const Entry& entry, bool with_cache)
       ABSL_SHARED_LOCKS_REQUIRED(entry.mu);
+  // One step of the entry's sequence, with its KV slots kept in step (when it has them).
+  absl::Status StepEntry(Entry& entry, int64_t step, const kernels::ScoreMatrix* scores,
+                         EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(entry.mu);
   // Adds `report` to the entry's pending step. When it completes the step, runs it and
   // moves every waiting callback (this report's included) to `callbacks` with the result.
   absl::Status AddToJoin(Entry& entry, absl::string_view id, const RankReport& report,

@@ -1,5 +1,7 @@
 #include "server/daemon.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <exception>
 
@@ -9,6 +11,10 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
+#ifdef KVCM_HAS_CUDA
+#include "cache_manager/cuda_block_pool.h"
+#endif
+#include "cache_manager/status_macros.h"
 #include "server/health_service.h"
 #include "server/kvcache_service.h"
 
@@ -25,6 +31,21 @@ std::string WithPort(const std::string& address, int port) {
 
 int Millis(absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); }
 
+// The pool of each rank: host memory (shared, so that workers can map it, unless turned
+// off) or device memory of the GPU with the rank's number.
+KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
+  return [options](const BlockPoolOptions& pool) -> absl::StatusOr<std::unique_ptr<BlockPool>> {
+#ifdef KVCM_HAS_CUDA
+    if (options.backend == "cuda") return CreateCudaBlockPool(pool, pool.rank);
+#endif
+    HostStorageOptions host;
+    if (options.kv_shared_memory) {
+      host.shm_name = absl::StrCat("/kvcached-", getpid(), "-rank", pool.rank);
+    }
+    return BlockPool::CreateHost(pool, host);
+  };
+}
+
 }  // namespace
 
 Daemon::Daemon(const ServerOptions& options) : options_(options) {}
@@ -33,9 +54,25 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                       const BuildInfo& build) {
   std::unique_ptr<Daemon> d(new Daemon(options));
   d->metrics_ = std::make_unique<ServerMetrics>(build);
+  if (options.backend != "host" && options.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend is '", options.backend, "'; it must be host or cuda"));
+  }
+#ifndef KVCM_HAS_CUDA
+  if (options.backend == "cuda") {
+    return absl::InvalidArgumentError("--backend=cuda: this kvcached was built without CUDA");
+  }
+#endif
+  if (options.pool_memory_bytes > 0) {
+    ASSIGN_OR_RETURN(d->pools_, KvPools::Create(options.tp_ranks, options.kv_layout,
+                                                options.pool_memory_bytes,
+                                                PoolFactory(options)));
+  }
+  d->pool_gauges_ = std::make_shared<PoolGauges>(d->pools_.get(), options.backend);
   SequenceTableOptions table_options;
   table_options.max_sequences = options.max_sequences;
   table_options.max_tp_world_size = options.max_tp_world_size;
+  table_options.kv_pools = d->pools_.get();
   d->table_ = std::make_unique<SequenceTable>(table_options);
   d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());
 
@@ -50,12 +87,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     }
     d->exposer_->RegisterCollectable(d->metrics_->registry());
     d->exposer_->RegisterCollectable(d->table_gauges_);
+    d->exposer_->RegisterCollectable(d->pool_gauges_);
     const std::vector<int> ports = d->exposer_->GetListeningPorts();
     d->metrics_address_ =
         ports.empty() ? options.metrics_listen : WithPort(options.metrics_listen, ports[0]);
   }
 
-  d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->metrics_.get());
+  d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->pools_.get(),
+                                                 d->metrics_.get());
   d->health_ = std::make_unique<HealthService>();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

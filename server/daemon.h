@@ -55,6 +55,8 @@ class Daemon {
 
   const ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<KvPools> pools_;  // before table_: leases return blocks to it
+  std::shared_ptr<PoolGauges> pool_gauges_;
   std::unique_ptr<SequenceTable> table_;
   std::shared_ptr<TableGauges> table_gauges_;
   std::unique_ptr<prometheus::Exposer> exposer_;

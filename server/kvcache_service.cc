@@ -34,8 +34,12 @@ class UnaryCall {
 }  // namespace
 
 KvCacheService::KvCacheService(const ServerOptions& options, SequenceTable* table,
-                               ServerMetrics* metrics)
-    : options_(options), table_(table), metrics_(metrics), processor_(table, metrics) {}
+                               const KvPools* pools, ServerMetrics* metrics)
+    : options_(options),
+      table_(table),
+      pools_(pools),
+      metrics_(metrics),
+      processor_(table, metrics) {}
 
 KvCacheService::~KvCacheService() = default;
 
@@ -81,6 +85,18 @@ grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerCont
   UnaryCall call(Rpc::kListSequences, context, metrics_, *request);
   const absl::Time now = absl::Now();
   for (const SequenceInfo& info : table_->List()) ToProto(info, now, response->add_sequences());
+  return call.Finish(absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::DescribeKvPools(
+    grpc::CallbackServerContext* context, const v1::DescribeKvPoolsRequest* request,
+    v1::DescribeKvPoolsResponse* response) {
+  UnaryCall call(Rpc::kDescribeKvPools, context, metrics_, *request);
+  if (pools_ != nullptr) {
+    for (int32_t r = 0; r < pools_->ranks(); ++r) {
+      ToProto(pools_->pool(r), options_.backend, response->add_pools());
+    }
+  }
   return call.Finish(absl::OkStatus());
 }
 

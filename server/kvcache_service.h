@@ -24,7 +24,9 @@ class StepStreamReactor;
 
 class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
  public:
-  KvCacheService(const ServerOptions& options, SequenceTable* table, ServerMetrics* metrics);
+  // `pools` may be null (no KV pools).
+  KvCacheService(const ServerOptions& options, SequenceTable* table, const KvPools* pools,
+                 ServerMetrics* metrics);
   ~KvCacheService() override;
 
   grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* context,
@@ -44,6 +46,9 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
                                  ::kvcache::v1::DecisionBatch* response) override;
   grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch>* StepStream(
       grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* DescribeKvPools(
+      grpc::CallbackServerContext* context, const ::kvcache::v1::DescribeKvPoolsRequest* request,
+      ::kvcache::v1::DescribeKvPoolsResponse* response) override;
 
   // Draining: new streams are refused; open ones keep being answered until their clients
   // close them (or the server's drain deadline cancels them).
@@ -55,6 +60,7 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
  private:
   const ServerOptions options_;
   SequenceTable* const table_;
+  const KvPools* const pools_;
   ServerMetrics* const metrics_;
   StepBatchProcessor processor_;
   absl::Mutex mu_;

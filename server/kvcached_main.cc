@@ -34,6 +34,18 @@ ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30),
           "on SIGTERM, how long in-flight calls may take before they are cancelled");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30), "gRPC keepalive ping interval");
 ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10), "gRPC keepalive ping timeout");
+ABSL_FLAG(std::string, backend, "host",
+          "where the KV pools live: host (POSIX shared memory) or cuda (GPU r for rank r)");
+ABSL_FLAG(int64_t, pool_memory_bytes, 0,
+          "KV pool size per tensor-parallel rank, in bytes (0: no pools, decisions only)");
+ABSL_FLAG(int32_t, tp_ranks, 1, "tensor-parallel ranks, one KV pool each");
+ABSL_FLAG(int64_t, kv_layers, 32, "KV geometry: decoder layers");
+ABSL_FLAG(int64_t, kv_heads, 8, "KV geometry: KV heads per rank");
+ABSL_FLAG(int64_t, kv_head_dim, 128, "KV geometry: head dimension");
+ABSL_FLAG(int64_t, kv_tokens_per_block, 16, "KV geometry: token slots per block");
+ABSL_FLAG(std::string, kv_dtype, "float16", "KV geometry: float16, bfloat16 or float32");
+ABSL_FLAG(bool, kv_shared_memory, true,
+          "host pools in POSIX shared memory (/kvcached-<pid>-rank<r>) for workers to map");
 
 #ifndef KVCM_VERSION
 #define KVCM_VERSION "0.0.0"
@@ -83,6 +95,25 @@ int main(int argc, char** argv) {
   options.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
   options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
   options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.pool_memory_bytes = absl::GetFlag(FLAGS_pool_memory_bytes);
+  options.tp_ranks = absl::GetFlag(FLAGS_tp_ranks);
+  options.kv_layout.layers = absl::GetFlag(FLAGS_kv_layers);
+  options.kv_layout.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  options.kv_layout.head_dim = absl::GetFlag(FLAGS_kv_head_dim);
+  options.kv_layout.tokens_per_block = absl::GetFlag(FLAGS_kv_tokens_per_block);
+  options.kv_shared_memory = absl::GetFlag(FLAGS_kv_shared_memory);
+  const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  if (kv_dtype == "float16") {
+    options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat16;
+  } else if (kv_dtype == "bfloat16") {
+    options.kv_layout.dtype = kvcm::kernels::KvDtype::kBFloat16;
+  } else if (kv_dtype == "float32") {
+    options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat32;
+  } else {
+    std::fprintf(stderr, "kvcached: --kv_dtype must be float16, bfloat16 or float32\n");
+    return 2;
+  }
   if (options.max_sequences < 1 || options.max_streams < 1 || options.max_tp_world_size < 1 ||
       options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
     std::fprintf(stderr,
@@ -103,7 +134,7 @@ int main(int argc, char** argv) {
       kvcm::server::Daemon::Start(options, build);
   if (!daemon.ok()) {
     std::fprintf(stderr, "kvcached: %s\n", std::string(daemon.status().message()).c_str());
-    return 1;
+    return daemon.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   std::fprintf(stderr, "kvcached %s: serving gRPC on %s, metrics on http://%s/metrics\n",
                KVCM_VERSION, (*daemon)->grpc_address().c_str(),

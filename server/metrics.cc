@@ -10,7 +10,8 @@ namespace kvcm::server {
 namespace {
 
 constexpr absl::string_view kRpcNames[kRpcCount] = {
-    "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences", "Step", "StepStream"};
+    "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences",
+    "Step",         "StepStream",    "DescribeKvPools"};
 
 constexpr absl::string_view kCodeNames[17] = {
     "OK",       "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",
@@ -233,6 +234,34 @@ double ServerMetrics::ErrorCount(Rpc rpc, absl::StatusCode code) const {
 void ServerMetrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
 void ServerMetrics::StreamOpened() { streams_open_->Increment(); }
 void ServerMetrics::StreamClosed() { streams_open_->Decrement(); }
+
+std::vector<prometheus::MetricFamily> PoolGauges::Collect() const {
+  std::vector<BlockPoolUsage> usage;
+  if (pools_ != nullptr) usage = pools_->Usage();
+  if (usage.empty()) usage.push_back(BlockPoolUsage{});  // no pools: rank 0 at zero
+  auto family = [&](const char* name, const char* help, auto value) {
+    prometheus::MetricFamily f;
+    f.name = name;
+    f.help = help;
+    f.type = prometheus::MetricType::Gauge;
+    for (const BlockPoolUsage& u : usage) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"backend", backend_});
+      m.label.push_back({"rank", std::to_string(u.rank)});
+      m.gauge.value = static_cast<double>(value(u));
+      f.metric.push_back(std::move(m));
+    }
+    return f;
+  };
+  return {
+      family("kvcache_pool_capacity_blocks", "KV blocks in the rank's pool",
+             [](const BlockPoolUsage& u) { return u.capacity_blocks; }),
+      family("kvcache_pool_used_blocks", "KV blocks leased to sequences",
+             [](const BlockPoolUsage& u) { return u.used_blocks; }),
+      family("kvcache_pool_block_bytes", "Bytes per KV block (all layers, K and V)",
+             [](const BlockPoolUsage& u) { return u.block_bytes; }),
+  };
+}
 
 std::vector<prometheus::MetricFamily> TableGauges::Collect() const {
   struct Totals {

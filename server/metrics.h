@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "cache_manager/eviction_decision.h"
+#include "cache_manager/kv_pools.h"
 #include "cache_manager/sequence_table.h"
 #include "kernels/score_matrix.h"
 #include "prometheus/collectable.h"
@@ -34,8 +35,9 @@ enum class Rpc : uint8_t {
   kListSequences,
   kStep,
   kStepStream,
+  kDescribeKvPools,
 };
-inline constexpr int kRpcCount = 6;
+inline constexpr int kRpcCount = 7;
 absl::string_view RpcName(Rpc rpc);
 
 // "INVALID_ARGUMENT", ... for the `code` label.
@@ -104,6 +106,19 @@ class ServerMetrics {
   std::array<prometheus::Counter*, 3> score_bytes_;  // by dtype
   prometheus::Gauge* serving_;
   prometheus::Gauge* streams_open_;
+};
+
+// kvcache_pool_capacity_blocks, kvcache_pool_used_blocks and kvcache_pool_block_bytes by
+// rank, read from the pools when Prometheus scrapes (rank 0 at 0 when there are none).
+class PoolGauges : public prometheus::Collectable {
+ public:
+  PoolGauges(const KvPools* pools, std::string backend)
+      : pools_(pools), backend_(std::move(backend)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const KvPools* pools_;  // may be null
+  const std::string backend_;
 };
 
 // kvcache_sequences_open, kvcache_tokens_retained, kvcache_tokens_seen and

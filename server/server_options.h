@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/time/time.h"
+#include "kernels/kv_compaction.h"
 
 namespace kvcm::server {
 
@@ -24,6 +25,15 @@ struct ServerOptions {
   absl::Duration keepalive_time = absl::Seconds(30);
   absl::Duration keepalive_timeout = absl::Seconds(10);
   int32_t metrics_threads = 2;
+
+  // KV block pools, one per tensor-parallel rank: none when pool_memory_bytes is 0 (the
+  // daemon then only decides). "host": host memory, in POSIX shared memory named
+  // /kvcached-<pid>-rank<r> when kv_shared_memory; "cuda": device r's memory.
+  std::string backend = "host";
+  int32_t tp_ranks = 1;
+  int64_t pool_memory_bytes = 0;  // per rank
+  kernels::KvBlockLayout kv_layout;
+  bool kv_shared_memory = true;
 };
 
 }  // namespace kvcm::server

@@ -55,10 +55,7 @@ struct PendingBatch {
   void Succeed(int index, const EvictionDecision& decision) {
     {
       absl::MutexLock lock(&mu);
-      ::kvcache::v1::Decision& d = *reply.mutable_decisions(index);
-      d.mutable_evicted()->Add(decision.evicted.begin(), decision.evicted.end());
-      d.set_cache_size(decision.cache_size);
-      d.set_next_needs_scores(decision.next_needs_scores);
+      ToProto(decision, reply.mutable_decisions(index));
     }
     Release();
   }

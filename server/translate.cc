@@ -187,6 +187,49 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out) {
   out->set_idle_seconds(absl::ToDoubleSeconds(now - info.last_active));
   out->mutable_positions()->Add(info.positions.begin(), info.positions.end());
   out->mutable_momentum()->Add(info.momentum.begin(), info.momentum.end());
+  for (size_t r = 0; r < info.kv_slots.size(); ++r) {
+    v1::KvSlots* slots = out->add_kv_slots();
+    slots->set_rank(static_cast<int32_t>(r));
+    slots->mutable_slots()->Add(info.kv_slots[r].begin(), info.kv_slots[r].end());
+  }
+}
+
+void ToProto(const EvictionDecision& decision, v1::Decision* out) {
+  out->mutable_evicted()->Add(decision.evicted.begin(), decision.evicted.end());
+  out->set_cache_size(decision.cache_size);
+  out->set_next_needs_scores(decision.next_needs_scores);
+  for (const KvSlotChanges& k : decision.kv) {
+    v1::KvChange* change = out->add_kv_changes();
+    change->set_rank(k.rank);
+    change->set_new_token_slot(k.new_token_slot);
+    for (const kernels::KvMove& move : k.moves) {
+      change->add_moved_from(move.src_slot);
+      change->add_moved_to(move.dst_slot);
+    }
+    change->mutable_released_blocks()->Add(k.released_blocks.begin(), k.released_blocks.end());
+  }
+}
+
+void ToProto(const BlockPool& pool, absl::string_view backend, v1::KvPool* out) {
+  const kernels::KvBlockLayout& layout = pool.layout();
+  const BlockPoolUsage usage = pool.Usage();
+  const MemoryExport& memory = pool.memory_export();
+  out->set_rank(pool.rank());
+  out->set_backend(backend == "cuda" ? v1::KV_BACKEND_CUDA : v1::KV_BACKEND_HOST);
+  out->set_tokens_per_block(layout.tokens_per_block);
+  out->set_layers(layout.layers);
+  out->set_kv_heads(layout.kv_heads);
+  out->set_head_dim(layout.head_dim);
+  out->set_dtype(layout.dtype == kernels::KvDtype::kFloat32   ? v1::SCORE_DTYPE_FLOAT32
+                 : layout.dtype == kernels::KvDtype::kFloat16 ? v1::SCORE_DTYPE_FLOAT16
+                                                              : v1::SCORE_DTYPE_BFLOAT16);
+  out->set_block_bytes(layout.BlockBytes());
+  out->set_capacity_blocks(usage.capacity_blocks);
+  out->set_used_blocks(usage.used_blocks);
+  out->set_bytes(memory.bytes);
+  out->set_shm_name(memory.shm_name);
+  out->set_cuda_ipc_handle(memory.cuda_ipc_handle);
+  out->set_device(memory.device);
 }
 
 absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "cache_manager/block_pool.h"
 #include "cache_manager/sequence.h"
 #include "cache_manager/sequence_table.h"
 #include "grpcpp/support/status.h"
@@ -37,6 +38,10 @@ v1::ScoreDtype ToProto(kernels::ScoreDtype dtype);
 void ToProto(const Policy& policy, v1::Policy* out);
 void ToProto(const SequenceStats& stats, v1::SequenceStats* out);
 void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out);
+// A successful step's decision into `out` (its sequence_id and step already set).
+void ToProto(const EvictionDecision& decision, v1::Decision* out);
+// One pool's description for DescribeKvPools.
+void ToProto(const BlockPool& pool, absl::string_view backend, v1::KvPool* out);
 
 // Views a report's packed scores as a [layers, tokens] matrix of `dtype` without copying
 // when the bytes are suitably aligned (into `aligned` otherwise). Empty scores give a

@@ -139,7 +139,10 @@ class Run:
             daemon = self.start("kvcached", [
                 a.kvcached, f"--listen=127.0.0.1:{grpc_port}",
                 f"--metrics_listen=127.0.0.1:{metrics_port}", "--backend=host",
-                f"--drain_deadline={a.drain_seconds}s"])
+                f"--drain_deadline={a.drain_seconds}s",
+                # Small host KV pools, so that the pool panels and rules see leased blocks.
+                "--tp_ranks=2", "--pool_memory_bytes=16777216", "--kv_layers=4", "--kv_heads=2",
+                "--kv_head_dim=16", "--kv_tokens_per_block=16", "--kv_shared_memory=false"])
             wait_for("kvcached to report kvcache_serving 1",
                      lambda: any(l.startswith("kvcache_serving") and l.split()[-1] in ("1", "1.0")
                                  for l in http_get(f"http://{target}/metrics").splitlines()),
@@ -299,7 +302,7 @@ def main():
     ap.add_argument("--loadgen")
     ap.add_argument("--prometheus", default="prometheus")
     ap.add_argument("--promtool", default="promtool")
-    ap.add_argument("--load-seconds", type=int, default=5)
+    ap.add_argument("--load-seconds", type=int, default=8)
     ap.add_argument("--drain-seconds", type=int, default=2)
     ap.add_argument("--scrape-target", metavar="HOST:PORT",
                     help="check a kvcached you started yourself (its metrics address): "

@@ -1,0 +1,80 @@
+// KvPools: the KV block pools of a node, one per tensor-parallel rank, and SequenceKv, the
+// leases one sequence holds across all of them (every rank keeps the same tokens, each for
+// its own heads). The sequence table drives a SequenceKv from each step's decision, so the
+// KV memory follows the eviction contract: the new token gets a slot before the step, the
+// evicted tokens' slots are freed after it, and once two blocks' worth of slots are free
+// the survivors are compacted and the emptied blocks go back to the pool.
+//
+// KvPools is thread-safe (its pools are). A SequenceKv is not: its owner serializes it.
+#ifndef KVCM_CACHE_MANAGER_KV_POOLS_H_
+#define KVCM_CACHE_MANAGER_KV_POOLS_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "cache_manager/block_pool.h"
+#include "cache_manager/eviction_decision.h"
+
+namespace kvcm {
+
+class KvPools {
+ public:
+  // Builds the pool of rank r (memory space and export are the factory's business: host,
+  // shared memory or CUDA).
+  using PoolFactory =
+      absl::AnyInvocable<absl::StatusOr<std::unique_ptr<BlockPool>>(const BlockPoolOptions&)>;
+
+  // `ranks` pools of `layout`, each capped at `memory_bytes_per_rank`.
+  static absl::StatusOr<std::unique_ptr<KvPools>> Create(int32_t ranks,
+                                                         const kernels::KvBlockLayout& layout,
+                                                         int64_t memory_bytes_per_rank,
+                                                         PoolFactory make_pool);
+
+  int32_t ranks() const { return static_cast<int32_t>(pools_.size()); }
+  BlockPool& pool(int32_t rank) { return *pools_[static_cast<size_t>(rank)]; }
+  const BlockPool& pool(int32_t rank) const { return *pools_[static_cast<size_t>(rank)]; }
+  std::vector<BlockPoolUsage> Usage() const;
+
+ private:
+  std::vector<std::unique_ptr<BlockPool>> pools_;
+};
+
+class SequenceKv {
+ public:
+  // Leases `tokens` slots on every rank, all or none. RESOURCE_EXHAUSTED names the rank
+  // whose pool is full and the blocks it lacks.
+  static absl::StatusOr<SequenceKv> Lease(KvPools& pools, int64_t tokens,
+                                          absl::string_view sequence_id);
+
+  SequenceKv(SequenceKv&&) = default;
+  SequenceKv& operator=(SequenceKv&&) = default;
+
+  // A slot for one more token on every rank, all or none (RESOURCE_EXHAUSTED otherwise).
+  absl::Status AppendToken(absl::string_view sequence_id, int64_t step);
+  // Takes back the slot of the last AppendToken (the step was rejected).
+  void UndoAppend();
+  // Frees the slots of the decision's evicted tokens (indices into the cache before
+  // eviction, the new token last), compacts where a block's worth of slots is free, and
+  // records per rank the new token's final slot and any moves in decision->kv.
+  void ApplyDecision(EvictionDecision* decision);
+
+  // [ranks][cached tokens] each token's slot, in cache order.
+  std::vector<std::vector<int64_t>> Slots() const;
+
+ private:
+  SequenceKv(std::vector<BlockLease> leases, int64_t tokens_per_block)
+      : leases_(std::move(leases)), tokens_per_block_(tokens_per_block) {}
+
+  std::vector<BlockLease> leases_;  // one per rank
+  int64_t tokens_per_block_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_CACHE_MANAGER_KV_POOLS_H_
