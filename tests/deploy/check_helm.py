@@ -50,6 +50,7 @@ REJECTIONS = [
     ("max_sequences zero", ["--set", "daemon.maxSequences=0"], "daemon.maxSequences"),
     ("pool_memory_bytes negative", ["--set", "daemon.poolMemoryBytes=-5"], "daemon.poolMemoryBytes"),
     ("tp_ranks zero", ["--set", "daemon.tpRanks=0"], "daemon.tpRanks"),
+    ("unknown kv dtype", ["--set", "daemon.kvDtype=int8"], "daemon.kvDtype"),
     ("idle_timeout without a unit", ["--set", "daemon.idleTimeout=300"], "daemon.idleTimeout"),
     ("idle_timeout not a duration", ["--set-string", "daemon.idleTimeout=five minutes"], "daemon.idleTimeout"),
     ("keepalive_time not a duration", ["--set-string", "daemon.keepaliveTime=1x"], "daemon.keepaliveTime"),
@@ -100,9 +101,13 @@ def expected_args(v):
                       ("drainDeadline", "drain_deadline"), ("maxMessageBytes", "max_message_bytes"),
                       ("maxStreams", "max_streams"), ("keepaliveTime", "keepalive_time"),
                       ("keepaliveTimeout", "keepalive_timeout"),
-                      ("poolMemoryBytes", "pool_memory_bytes"), ("tpRanks", "tp_ranks")]:
+                      ("poolMemoryBytes", "pool_memory_bytes"), ("tpRanks", "tp_ranks"),
+                      ("kvLayers", "kv_layers"), ("kvHeads", "kv_heads"), ("kvHeadDim", "kv_head_dim"),
+                      ("kvTokensPerBlock", "kv_tokens_per_block"), ("kvDtype", "kv_dtype"),
+                      ("kvSharedMemory", "kv_shared_memory")]:
         if d.get(key) is not None:
-            args.append(f"--{flag}={d[key]}")
+            value = str(d[key]).lower() if isinstance(d[key], bool) else d[key]
+            args.append(f"--{flag}={value}")
     return args + list(d.get("extraArgs", []))
 
 

@@ -81,7 +81,13 @@ app.kubernetes.io/part-of: kvcache-manager
   (list "keepalive_time" $d.keepaliveTime)
   (list "keepalive_timeout" $d.keepaliveTimeout)
   (list "pool_memory_bytes" $d.poolMemoryBytes)
-  (list "tp_ranks" $d.tpRanks) }}
+  (list "tp_ranks" $d.tpRanks)
+  (list "kv_layers" $d.kvLayers)
+  (list "kv_heads" $d.kvHeads)
+  (list "kv_head_dim" $d.kvHeadDim)
+  (list "kv_tokens_per_block" $d.kvTokensPerBlock)
+  (list "kv_dtype" $d.kvDtype)
+  (list "kv_shared_memory" $d.kvSharedMemory) }}
 {{- range $flags }}
 {{- $value := index . 1 }}
 {{- if not (kindIs "invalid" $value) }}
