@@ -235,32 +235,47 @@ void ServerMetrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
 void ServerMetrics::StreamOpened() { streams_open_->Increment(); }
 void ServerMetrics::StreamClosed() { streams_open_->Decrement(); }
 
+namespace {
+
+// One series of a gauge family: its labels and value.
+struct GaugeSeries {
+  std::vector<prometheus::ClientMetric::Label> labels;
+  double value = 0;
+};
+
+prometheus::MetricFamily GaugeFamily(const char* name, const char* help,
+                                     const std::vector<GaugeSeries>& series) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = prometheus::MetricType::Gauge;
+  for (const GaugeSeries& s : series) {
+    prometheus::ClientMetric m;
+    m.label = s.labels;
+    m.gauge.value = s.value;
+    f.metric.push_back(std::move(m));
+  }
+  return f;
+}
+
+}  // namespace
+
 std::vector<prometheus::MetricFamily> PoolGauges::Collect() const {
   std::vector<BlockPoolUsage> usage;
   if (pools_ != nullptr) usage = pools_->Usage();
   if (usage.empty()) usage.push_back(BlockPoolUsage{});  // no pools: rank 0 at zero
-  auto family = [&](const char* name, const char* help, auto value) {
-    prometheus::MetricFamily f;
-    f.name = name;
-    f.help = help;
-    f.type = prometheus::MetricType::Gauge;
-    for (const BlockPoolUsage& u : usage) {
-      prometheus::ClientMetric m;
-      m.label.push_back({"backend", backend_});
-      m.label.push_back({"rank", std::to_string(u.rank)});
-      m.gauge.value = static_cast<double>(value(u));
-      f.metric.push_back(std::move(m));
-    }
-    return f;
-  };
-  return {
-      family("kvcache_pool_capacity_blocks", "KV blocks in the rank's pool",
-             [](const BlockPoolUsage& u) { return u.capacity_blocks; }),
-      family("kvcache_pool_used_blocks", "KV blocks leased to sequences",
-             [](const BlockPoolUsage& u) { return u.used_blocks; }),
-      family("kvcache_pool_block_bytes", "Bytes per KV block (all layers, K and V)",
-             [](const BlockPoolUsage& u) { return u.block_bytes; }),
-  };
+  std::vector<GaugeSeries> capacity, used, block_bytes;
+  for (const BlockPoolUsage& u : usage) {
+    const std::vector<prometheus::ClientMetric::Label> labels = {
+        {"backend", backend_}, {"rank", std::to_string(u.rank)}};
+    capacity.push_back({labels, static_cast<double>(u.capacity_blocks)});
+    used.push_back({labels, static_cast<double>(u.used_blocks)});
+    block_bytes.push_back({labels, static_cast<double>(u.block_bytes)});
+  }
+  return {GaugeFamily("kvcache_pool_capacity_blocks", "KV blocks in the rank's pool", capacity),
+          GaugeFamily("kvcache_pool_used_blocks", "KV blocks leased to sequences", used),
+          GaugeFamily("kvcache_pool_block_bytes", "Bytes per KV block (all layers, K and V)",
+                      block_bytes)};
 }
 
 std::vector<prometheus::MetricFamily> TableGauges::Collect() const {
@@ -276,29 +291,23 @@ std::vector<prometheus::MetricFamily> TableGauges::Collect() const {
     t.retained += static_cast<double>(info.cache_size);
     t.seen += static_cast<double>(info.prefill_len + info.last_step);
   }
-  auto family = [&](const char* name, const char* help, auto value) {
-    prometheus::MetricFamily f;
-    f.name = name;
-    f.help = help;
-    f.type = prometheus::MetricType::Gauge;
-    for (const std::string& label : labels) {
-      prometheus::ClientMetric m;
-      m.label.push_back({"policy", label});
-      m.gauge.value = value(by_policy[label]);
-      f.metric.push_back(std::move(m));
-    }
-    return f;
-  };
+  std::vector<GaugeSeries> open, retained, seen, ratio;
+  for (const std::string& label : labels) {
+    const Totals& t = by_policy[label];
+    const std::vector<prometheus::ClientMetric::Label> policy = {{"policy", label}};
+    open.push_back({policy, t.open});
+    retained.push_back({policy, t.retained});
+    seen.push_back({policy, t.seen});
+    ratio.push_back({policy, t.seen > 0 ? t.retained / t.seen : 0.0});
+  }
   return {
-      family("kvcache_sequences_open", "Sequences registered and not closed",
-             [](const Totals& t) { return t.open; }),
-      family("kvcache_tokens_retained", "Tokens cached across open sequences",
-             [](const Totals& t) { return t.retained; }),
-      family("kvcache_tokens_seen",
-             "Prefill and decoded tokens across open sequences (an uncompressed cache)",
-             [](const Totals& t) { return t.seen; }),
-      family("kvcache_retention_ratio", "kvcache_tokens_retained / kvcache_tokens_seen",
-             [](const Totals& t) { return t.seen > 0 ? t.retained / t.seen : 0.0; }),
+      GaugeFamily("kvcache_sequences_open", "Sequences registered and not closed", open),
+      GaugeFamily("kvcache_tokens_retained", "Tokens cached across open sequences", retained),
+      GaugeFamily("kvcache_tokens_seen",
+                  "Prefill and decoded tokens across open sequences (an uncompressed cache)",
+                  seen),
+      GaugeFamily("kvcache_retention_ratio", "kvcache_tokens_retained / kvcache_tokens_seen",
+                  ratio),
   };
 }
 
