@@ -194,6 +194,7 @@ absl::Status SequenceTable::AddToJoin(Entry& entry, absl::string_view id, const 
                                  sequence.policy().IsScoringStep(step)};
     RETURN_IF_ERROR(entry.join.Add(report, expect));
     entry.last_active = clock_->Now();
+    if (entry.join.arrived() == 1) entry.join_started = entry.last_active;
     entry.waiting.push_back(std::move(on_decided));
     if (!entry.join.complete()) return absl::OkStatus();
 
@@ -280,6 +281,34 @@ SequenceTableTotals SequenceTable::Totals() const {
     totals.cached_tokens += entry->sequence->cache_size();
   }
   return totals;
+}
+
+int64_t SequenceTable::AbortStaleJoins(absl::Duration timeout) {
+  std::vector<std::shared_ptr<Entry>> entries;
+  {
+    ReaderMutexLock lock(&mu_);
+    for (const auto& [id, entry] : entries_) entries.push_back(entry);
+  }
+  const absl::Time cutoff = clock_->Now() - timeout;
+  int64_t aborted = 0;
+  for (const auto& entry : entries) {
+    std::vector<RankDecisionCallback> callbacks;
+    std::string why;
+    {
+      MutexLock lock(&entry->mu);
+      if (entry->closed || entry->join.arrived() == 0 || entry->join_started > cutoff) continue;
+      why = absl::StrCat("sequence '", entry->sequence->id(), "' step ",
+                         entry->sequence->last_step() + 1, ": rank(s) ",
+                         absl::StrJoin(entry->join.MissingRanks(), ", "), " did not report within ",
+                         absl::FormatDuration(timeout),
+                         "; the step was abandoned and may be sent again");
+      entry->join.Reset();
+      callbacks = std::exchange(entry->waiting, {});
+    }
+    RunCallbacks(callbacks, absl::DeadlineExceededError(why));
+    ++aborted;
+  }
+  return aborted;
 }
 
 std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout) {

@@ -112,6 +112,11 @@ class SequenceTable {
   std::vector<SequenceInfo> List() const;
   SequenceTableTotals Totals() const;
 
+  // Abandons every tensor-parallel step whose first report arrived more than `timeout`
+  // ago and still misses ranks: its waiting ranks get DEADLINE_EXCEEDED naming the
+  // missing ones, and the step may be sent again (nothing changed). Returns how many.
+  int64_t AbortStaleJoins(absl::Duration timeout);
+
   // Closes every sequence not stepped, opened or inspected for `idle_timeout`; returns
   // their last snapshots.
   std::vector<SequenceInfo> ReclaimIdle(absl::Duration idle_timeout);
@@ -126,6 +131,7 @@ class SequenceTable {
     const kernels::ScoreDtype score_dtype;
     std::optional<SequenceKv> kv ABSL_GUARDED_BY(mu);  // with KV pools
     std::vector<RankDecisionCallback> waiting ABSL_GUARDED_BY(mu);
+    absl::Time join_started ABSL_GUARDED_BY(mu);  // first report of the pending step
     EvictionDecision decision ABSL_GUARDED_BY(mu);  // reused by tensor-parallel steps
     absl::Time last_active ABSL_GUARDED_BY(mu);
     bool closed ABSL_GUARDED_BY(mu) = false;

@@ -132,6 +132,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
 
 void Daemon::ReclaimLoop() {
   while (!stop_reclaimer_.WaitForNotificationWithTimeout(options_.reclaim_interval)) {
+    if (options_.tp_join_timeout > absl::ZeroDuration()) {
+      table_->AbortStaleJoins(options_.tp_join_timeout);
+    }
     if (options_.idle_timeout <= absl::ZeroDuration()) continue;
     for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
       metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);

@@ -30,6 +30,9 @@ ABSL_FLAG(int64_t, max_message_bytes, 256 << 20, "largest request accepted, in b
 ABSL_FLAG(int32_t, max_streams, 1024, "most step streams open at once");
 ABSL_FLAG(absl::Duration, idle_timeout, absl::Minutes(10),
           "close sequences nobody stepped, opened or inspected for this long (0: never)");
+ABSL_FLAG(absl::Duration, tp_join_timeout, absl::Seconds(30),
+          "abandon a tensor-parallel step still missing ranks this long after its first "
+          "report, so the ranks that reported get an answer (0: wait forever)");
 ABSL_FLAG(absl::Duration, drain_deadline, absl::Seconds(30),
           "on SIGTERM, how long in-flight calls may take before they are cancelled");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30), "gRPC keepalive ping interval");
@@ -93,6 +96,7 @@ int main(int argc, char** argv) {
   options.max_streams = absl::GetFlag(FLAGS_max_streams);
   options.idle_timeout = absl::GetFlag(FLAGS_idle_timeout);
   options.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
+  options.tp_join_timeout = absl::GetFlag(FLAGS_tp_join_timeout);
   options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
   options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
   options.backend = absl::GetFlag(FLAGS_backend);

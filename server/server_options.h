@@ -21,6 +21,9 @@ struct ServerOptions {
   int32_t max_streams = 1024;             // concurrent StepStream calls
   absl::Duration idle_timeout = absl::Minutes(10);     // 0: never reclaim
   absl::Duration reclaim_interval = absl::Seconds(1);
+  // A tensor-parallel step still missing ranks this long after its first report is
+  // abandoned (DEADLINE_EXCEEDED to the ranks that reported); 0: wait forever.
+  absl::Duration tp_join_timeout = absl::Seconds(30);
   absl::Duration drain_deadline = absl::Seconds(30);
   absl::Duration keepalive_time = absl::Seconds(30);
   absl::Duration keepalive_timeout = absl::Seconds(10);

@@ -223,3 +223,38 @@ TEST(SequenceTableTest, SingleRankReportIsDividedByItsHeadCount) {
 
 }  // namespace
 }  // namespace kvcm
+
+namespace kvcm {
+namespace {
+
+TEST(SequenceTableTest, AStepMissingRanksIsAbandonedAfterTheJoinTimeout) {
+  ManualClock clock;
+  SequenceTable table(SequenceTableOptions{.clock = &clock});
+  ASSERT_TRUE(table.Open("tp", Options(10, 4, "streaming_llm"), 3).ok());
+  std::vector<absl::Status> results;
+  auto record = [&](const absl::StatusOr<EvictionDecision>& d) { results.push_back(d.status()); };
+  RankReport r;
+  r.step = 1;
+  r.rank = 1;
+  ASSERT_TRUE(table.SubmitRankReport("tp", r, record).ok());
+  clock.Advance(absl::Seconds(20));
+  EXPECT_EQ(table.AbortStaleJoins(absl::Seconds(30)), 0);
+  clock.Advance(absl::Seconds(11));
+  EXPECT_EQ(table.AbortStaleJoins(absl::Seconds(30)), 1);
+  ASSERT_EQ(results.size(), 1u);
+  EXPECT_EQ(results[0].code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(results[0].message(), HasSubstr("sequence 'tp' step 1: rank(s) 0, 2 did not report"));
+  // Nothing changed: the whole step can be sent again and completes.
+  EXPECT_EQ(table.Inspect("tp", false)->ranks_reported, 0);
+  EXPECT_EQ(table.Inspect("tp", false)->last_step, 0);
+  for (int32_t rank : {2, 0, 1}) {
+    r.rank = rank;
+    ASSERT_TRUE(table.SubmitRankReport("tp", r, record).ok());
+  }
+  ASSERT_EQ(results.size(), 4u);
+  EXPECT_TRUE(results[3].ok());
+  EXPECT_EQ(table.Inspect("tp", false)->last_step, 1);
+}
+
+}  // namespace
+}  // namespace kvcm

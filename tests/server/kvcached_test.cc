@@ -476,6 +476,28 @@ TEST_F(KvcachedLimitsTest, SequenceStreamAndMessageLimits) {
   EXPECT_TRUE(client_->Inspect("b", false).ok());
 }
 
+TEST_F(KvcachedTest, ARankThatNeverReportsDoesNotHoldTheOthersForever) {
+  daemon_.reset();
+  StartDaemon({"--tp_join_timeout=1s"});
+  v1::OpenSequenceRequest r = client::OpenRequest("tp", 40, 0.5, "streaming_llm");
+  r.set_tp_world_size(2);
+  ASSERT_TRUE(client_->Open(r).ok());
+  ASSERT_TRUE(client_->Open(client::OpenRequest("solo", 40, 0.5, "streaming_llm")).ok());
+  auto rank0 = client_->OpenStepStream();
+  ASSERT_TRUE(rank0.ok());
+  v1::StepBatch batch;  // one tensor-parallel sequence and one single-rank one
+  client::AddReport(&batch, "tp", 1);
+  client::AddReport(&batch, "solo", 1);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::DecisionBatch> reply = (*rank0)->Step(batch);  // rank 1 never reports
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(reply->decisions(0).code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(reply->decisions(0).message(), HasSubstr("rank(s) 1 did not report"));
+  EXPECT_EQ(reply->decisions(1).code(), kOk);
+  EXPECT_EQ(client_->Inspect("tp", false)->last_step(), 0);
+}
+
 TEST_F(KvcachedLimitsTest, IdleSequencesAreReclaimed) {
   ASSERT_TRUE(client_->Open(client::OpenRequest("idle", 10, 0.5, "h2o")).ok());
   absl::SleepFor(absl::Milliseconds(2500));
