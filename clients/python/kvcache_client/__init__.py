@@ -14,12 +14,13 @@ from .batch import SequenceBatch, TrackedSequence
 from .client import KvCacheClient
 from .errors import KvCacheError, StepError
 from .policy import PRESETS, Policy
-from .results import Decision, SequenceState, SequenceStats
+from .results import Decision, KvChange, KvPool, SequenceState, SequenceStats
 from .scores import EncodedScores, Scores, ScoreShapeError, decode_scores, encode_scores
 from .stream import Report, StepStream
 
 __all__ = [
-    "Decision", "EncodedScores", "KvCacheClient", "KvCacheError", "PRESETS", "Policy",
+    "Decision", "EncodedScores", "KvCacheClient", "KvCacheError", "KvChange", "KvPool",
+    "PRESETS", "Policy",
     "Report", "Scores", "ScoreShapeError", "SequenceBatch", "SequenceState", "SequenceStats",
     "StepError", "StepStream", "TrackedSequence", "decode_scores", "encode_scores",
 ]

@@ -10,7 +10,7 @@ from ._proto import dtype_to_proto, pb, pb_grpc
 from .batch import SequenceBatch
 from .errors import KvCacheError
 from .policy import Policy
-from .results import Decision, SequenceState, SequenceStats
+from .results import Decision, KvPool, SequenceState, SequenceStats
 from .scores import normalize_dtype
 from .stream import ReportLike, StepStream, reports_to_proto
 
@@ -82,6 +82,12 @@ class KvCacheClient:
             pb.InspectSequenceRequest(sequence_id=sequence_id, include_cache=include_cache),
             f"InspectSequence({sequence_id!r})")
         return SequenceState.from_proto(response.state)
+
+    def describe_kv_pools(self) -> List[KvPool]:
+        """The daemon's KV block pools, one per rank (empty unless it holds pools)."""
+        response = self._call(self._stub.DescribeKvPools, pb.DescribeKvPoolsRequest(),
+                              "DescribeKvPools")
+        return [KvPool.from_proto(p) for p in response.pools]
 
     def list_sequences(self) -> List[SequenceState]:
         """Snapshots of every open sequence (without their caches)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Tuple
 
 import grpc
 
@@ -46,6 +46,8 @@ class SequenceState:
     idle_seconds: float
     positions: List[int] = field(default_factory=list)  #: with include_cache, ascending
     momentum: List[float] = field(default_factory=list)  #: with include_cache
+    #: with include_cache and KV pools: rank -> each cached token's slot (order of positions)
+    kv_slots: Dict[int, List[int]] = field(default_factory=dict)
 
     @property
     def next_step(self) -> int:
@@ -68,7 +70,60 @@ class SequenceState:
             idle_seconds=message.idle_seconds,
             positions=list(message.positions),
             momentum=list(message.momentum),
+            kv_slots={s.rank: list(s.slots) for s in message.kv_slots},
         )
+
+
+@dataclass(frozen=True)
+class KvChange:
+    """What a step did to one rank's KV slots (when kvcached holds KV pools).
+
+    Write the step's token's K and V to ``new_token_slot`` (-1: it was evicted in its own
+    step). ``moves`` are (from_slot, to_slot) pairs whose K/V the daemon moved while
+    compacting: update your slot table. ``released_blocks`` went back to the pool.
+    """
+
+    rank: int
+    new_token_slot: int
+    moves: List[Tuple[int, int]]
+    released_blocks: List[int]
+
+    @classmethod
+    def from_proto(cls, message: pb.KvChange) -> "KvChange":
+        return cls(message.rank, message.new_token_slot,
+                   list(zip(message.moved_from, message.moved_to)),
+                   list(message.released_blocks))
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """One rank's KV block pool (KvCacheClient.describe_kv_pools).
+
+    Blocks are [layers][K, V][tokens_per_block][kv_heads][head_dim] of ``dtype``; block b
+    starts at b * block_bytes. Map host pools with shm_open(shm_name) and mmap(bytes).
+    """
+
+    rank: int
+    backend: str  #: host or cuda
+    tokens_per_block: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    block_bytes: int
+    capacity_blocks: int
+    used_blocks: int
+    bytes: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    device: int
+
+    @classmethod
+    def from_proto(cls, m: pb.KvPool) -> "KvPool":
+        backend = {pb.KV_BACKEND_HOST: "host", pb.KV_BACKEND_CUDA: "cuda"}.get(m.backend, "")
+        return cls(m.rank, backend, m.tokens_per_block, m.layers, m.kv_heads, m.head_dim,
+                   dtype_from_proto(m.dtype), m.block_bytes, m.capacity_blocks,
+                   m.used_blocks, m.bytes, m.shm_name, m.cuda_ipc_handle, m.device)
 
 
 @dataclass(frozen=True)
@@ -88,6 +143,7 @@ class Decision:
     evicted: List[int]
     cache_size: int
     next_needs_scores: bool
+    kv_changes: List[KvChange] = field(default_factory=list)  #: per rank, with KV pools
 
     @property
     def ok(self) -> bool:
@@ -103,7 +159,8 @@ class Decision:
     def from_proto(cls, message: pb.Decision) -> "Decision":
         return cls(message.sequence_id, message.step, status_code(message.code),
                    message.message, list(message.evicted), message.cache_size,
-                   message.next_needs_scores)
+                   message.next_needs_scores,
+                   [KvChange.from_proto(k) for k in message.kv_changes])
 
     @classmethod
     def rejected(cls, sequence_id: str, step: int, code: grpc.StatusCode, message: str,
