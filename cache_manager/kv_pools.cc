@@ -54,10 +54,7 @@ absl::Status SequenceKv::AppendToken(absl::string_view sequence_id, int64_t step
   for (size_t r = 0; r < leases_.size(); ++r) {
     absl::Status appended = leases_[r].Append(1);
     if (!appended.ok()) {
-      for (size_t done = 0; done < r; ++done) {
-        const int64_t last = leases_[done].size() - 1;
-        (void)leases_[done].Evict(std::span<const int64_t>(&last, 1));
-      }
+      GiveBackLastSlot(r);  // the ranks that did get one
       return absl::Status(appended.code(),
                           absl::StrCat("sequence '", sequence_id, "' step ", step,
                                        ": no KV slot for the new token: ", appended.message()));
@@ -66,10 +63,12 @@ absl::Status SequenceKv::AppendToken(absl::string_view sequence_id, int64_t step
   return absl::OkStatus();
 }
 
-void SequenceKv::UndoAppend() {
-  for (BlockLease& lease : leases_) {
-    const int64_t last = lease.size() - 1;
-    (void)lease.Evict(std::span<const int64_t>(&last, 1));
+void SequenceKv::UndoAppend() { GiveBackLastSlot(leases_.size()); }
+
+void SequenceKv::GiveBackLastSlot(size_t ranks) {
+  for (size_t r = 0; r < ranks; ++r) {
+    const int64_t last = leases_[r].size() - 1;
+    (void)leases_[r].Evict(std::span<const int64_t>(&last, 1));
   }
 }
 

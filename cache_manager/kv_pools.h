@@ -68,6 +68,9 @@ class SequenceKv {
   std::vector<std::vector<int64_t>> Slots() const;
 
  private:
+  // Frees the last slot of the first `ranks` leases.
+  void GiveBackLastSlot(size_t ranks);
+
   SequenceKv(std::vector<BlockLease> leases, int64_t tokens_per_block)
       : leases_(std::move(leases)), tokens_per_block_(tokens_per_block) {}
 
