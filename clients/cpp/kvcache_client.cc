@@ -202,3 +202,31 @@ void SetBFloat16Scores(v1::StepReport* report, std::span<const float> scores, in
 }
 
 }  // namespace kvcm::client
+
+namespace kvcm::client {
+
+void SetScores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+               kernels::ScoreDtype dtype, int32_t head_count) {
+  switch (dtype) {
+    case kernels::ScoreDtype::kFloat32:
+      return SetFloat32Scores(report, scores, layers, head_count);
+    case kernels::ScoreDtype::kFloat16:
+      return SetFloat16Scores(report, scores, layers, head_count);
+    case kernels::ScoreDtype::kBFloat16:
+      return SetBFloat16Scores(report, scores, layers, head_count);
+  }
+}
+
+v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype) {
+  switch (dtype) {
+    case kernels::ScoreDtype::kFloat32:
+      return v1::SCORE_DTYPE_FLOAT32;
+    case kernels::ScoreDtype::kFloat16:
+      return v1::SCORE_DTYPE_FLOAT16;
+    case kernels::ScoreDtype::kBFloat16:
+      return v1::SCORE_DTYPE_BFLOAT16;
+  }
+  return v1::SCORE_DTYPE_UNSPECIFIED;
+}
+
+}  // namespace kvcm::client

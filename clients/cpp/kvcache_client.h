@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/score_matrix.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 
 namespace kvcm::client {
@@ -103,6 +104,12 @@ void SetFloat16Scores(v1::StepReport* report, std::span<const float> scores, int
                       int32_t head_count = 0);
 void SetBFloat16Scores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
                        int32_t head_count = 0);
+
+// Packs scores in `dtype` (one of the three above, by the engine's dtype enum).
+void SetScores(v1::StepReport* report, std::span<const float> scores, int32_t layers,
+               kernels::ScoreDtype dtype, int32_t head_count = 0);
+// The wire value of an engine dtype.
+v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype);
 
 // The daemon's grpc::Status as an absl::Status (same code and message).
 absl::Status FromGrpc(const grpc::Status& status);

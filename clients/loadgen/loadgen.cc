@@ -35,17 +35,7 @@ std::vector<float> SyntheticScores(int32_t layers, int64_t tokens, uint64_t seed
 // The packed bytes of `scores` in the load's dtype, as a worker sends them.
 std::string Encode(const std::vector<float>& scores, int32_t layers, kernels::ScoreDtype dtype) {
   v1::StepReport report;
-  switch (dtype) {
-    case kernels::ScoreDtype::kFloat32:
-      client::SetFloat32Scores(&report, scores, layers);
-      break;
-    case kernels::ScoreDtype::kFloat16:
-      client::SetFloat16Scores(&report, scores, layers);
-      break;
-    case kernels::ScoreDtype::kBFloat16:
-      client::SetBFloat16Scores(&report, scores, layers);
-      break;
-  }
+  client::SetScores(&report, scores, layers, dtype);
   return report.scores();
 }
 
@@ -99,9 +89,7 @@ class DaemonRunner : public BatchRunner {
         r.set_compression_ratio(o_.compression_ratio.value_or(0.9));
       }
       r.mutable_policy()->set_preset(o_.policy);
-      r.set_score_dtype(o_.dtype == kernels::ScoreDtype::kFloat32   ? v1::SCORE_DTYPE_FLOAT32
-                        : o_.dtype == kernels::ScoreDtype::kFloat16 ? v1::SCORE_DTYPE_FLOAT16
-                                                                    : v1::SCORE_DTYPE_BFLOAT16);
+      r.set_score_dtype(client::ToProtoDtype(o_.dtype));
       RETURN_IF_ERROR(client_->Open(r).status());
       client::AddReport(&batch_, id, 0);
     }
