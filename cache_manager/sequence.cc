@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,45 @@ kernels::ScoreAggregation KernelAggregation(Aggregation aggregation) {
   }
 }
 
+struct ResolvedOptions {
+  int64_t budget = 0;
+  Policy policy;
+};
+
+// The budget and the policy (preset expanded) of `options`, validated.
+absl::StatusOr<ResolvedOptions> Resolve(const SequenceOptions& options) {
+  ResolvedOptions r;
+  ASSIGN_OR_RETURN(r.budget, ResolveBudget(options.prefill_len, options.budget));
+  r.policy = options.policy;
+  if (!options.preset.empty()) {
+    ASSIGN_OR_RETURN(r.policy, Policy::FromPreset(options.preset, r.budget));
+    r.policy.seed = options.policy.seed;
+  }
+  RETURN_IF_ERROR(r.policy.Validate(r.budget));
+  return r;
+}
+
+// The weights of the layout (empty for per-layer), or why the layout's `layers` is wrong.
+absl::StatusOr<FoldWeights> LayoutWeights(const SequenceOptions& options, const Policy& policy) {
+  if (options.score_layout == ScoreLayout::kFolded) {
+    return FoldWeightsFor(policy, options.layers);
+  }
+  if (options.layers != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers is ", options.layers,
+        " but the score layout is per_layer; layers is for the folded layout only (0 here)"));
+  }
+  return FoldWeights{};
+}
+
+kernels::MomentumUpdateOptions UpdateOptions(const Policy& policy, ScoreLayout layout,
+                                             const FoldWeights& fold) {
+  if (layout == ScoreLayout::kFolded) {
+    return {kernels::ScoreAggregation::kFolded, policy.alpha, fold.decay};
+  }
+  return {KernelAggregation(policy.aggregation), policy.alpha};
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(std::string id,
@@ -29,25 +69,31 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(std::string id,
   auto context = [&id](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat("sequence '", id, "': ", s.message()));
   };
-  absl::StatusOr<int64_t> budget = ResolveBudget(options.prefill_len, options.budget);
-  if (!budget.ok()) return context(budget.status());
-  Policy policy = options.policy;
-  if (!options.preset.empty()) {
-    absl::StatusOr<Policy> preset = Policy::FromPreset(options.preset, *budget);
-    if (!preset.ok()) return context(preset.status());
-    policy = *std::move(preset);
-    policy.seed = options.policy.seed;
-  }
-  if (absl::Status valid = policy.Validate(*budget); !valid.ok()) return context(valid);
-  return std::unique_ptr<Sequence>(
-      new Sequence(std::move(id), options.prefill_len, *budget, std::move(policy)));
+  absl::StatusOr<ResolvedOptions> resolved = Resolve(options);
+  if (!resolved.ok()) return context(resolved.status());
+  absl::StatusOr<FoldWeights> fold = LayoutWeights(options, resolved->policy);
+  if (!fold.ok()) return context(fold.status());
+  const int64_t layers = options.score_layout == ScoreLayout::kFolded ? options.layers : 0;
+  return std::unique_ptr<Sequence>(new Sequence(std::move(id), options.prefill_len,
+                                                resolved->budget, std::move(resolved->policy),
+                                                options.score_layout, layers, *std::move(fold)));
 }
 
-Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy)
+absl::StatusOr<Policy> Sequence::ResolvePolicy(const SequenceOptions& options) {
+  ASSIGN_OR_RETURN(ResolvedOptions resolved, Resolve(options));
+  return std::move(resolved.policy);
+}
+
+Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy,
+                   ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights)
     : id_(std::move(id)),
       prefill_len_(prefill_len),
       budget_(budget),
       policy_(std::move(policy)),
+      score_layout_(score_layout),
+      layers_(layers),
+      fold_weights_(std::move(fold_weights)),
+      update_options_(UpdateOptions(policy_, score_layout_, fold_weights_)),
       state_(prefill_len, budget, policy_.aggregation == Aggregation::kRecency),
       rng_(policy_.seed) {}
 
@@ -74,9 +120,12 @@ absl::Status Sequence::DescribeInvalidScore(int64_t step,
   const int64_t position = bad.index >= 0 && bad.index < state_.size()
                                ? state_.positions()[static_cast<size_t>(bad.index)]
                                : prefill_len_ + step - 1;
+  const std::string row = score_layout_ == ScoreLayout::kFolded
+                              ? std::string("folded row")
+                              : absl::StrCat("layer ", bad.layer);
   return absl::InvalidArgumentError(absl::StrCat(
-      "sequence '", id_, "' step ", step, ": layer ", bad.layer, " score ", bad.index,
-      " (position ", position, ") is ", bad.value, "; scores must be finite and >= 0"));
+      "sequence '", id_, "' step ", step, ": ", row, " score ", bad.index, " (position ",
+      position, ") is ", bad.value, "; scores must be finite and >= 0"));
 }
 
 absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
@@ -91,6 +140,13 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
   const int64_t new_position = prefill_len_ + step - 1;
 
   if (scoring) {
+    if (score_layout_ == ScoreLayout::kFolded && (!has_scores || scores->layers != 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence '", id_, "' step ", step,
+          ": a folded sequence takes exactly 1 score row per scoring step (its ", layers_,
+          " layers folded with its fold weights); this step has ",
+          scores == nullptr ? 0 : scores->layers, " rows"));
+    }
     if (!has_scores) {
       return absl::InvalidArgumentError(
           absl::StrCat("sequence '", id_, "' step ", step,
@@ -99,8 +155,7 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
     }
     RETURN_IF_ERROR(CheckScores(step, *scores));
     state_.Append(new_position, 0.0f);
-    const int64_t invalid = state_.ApplyScores(
-        *scores, {KernelAggregation(policy_.aggregation), policy_.alpha});
+    const int64_t invalid = state_.ApplyScores(*scores, update_options_);
     if (invalid != 0) {
       state_.PopBack();
       return DescribeInvalidScore(step, *scores);

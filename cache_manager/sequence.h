@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "cache_manager/budget.h"
 #include "cache_manager/eviction_decision.h"
+#include "cache_manager/fold.h"
 #include "cache_manager/momentum_state.h"
 #include "cache_manager/policy.h"
 #include "kernels/score_matrix.h"
@@ -29,6 +30,13 @@ struct SequenceOptions {
   // is taken from `policy`; otherwise `policy` is used as given.
   std::string preset;
   Policy policy;
+  // kFolded: every scoring step carries one row, the step's `layers` layer rows folded
+  // with fold_weights() (cache_manager/fold.h); `layers` must be 1 to kMaxFoldLayers.
+  // kPerLayer: rows as SPEC.md describes them; `layers` must be 0 (a non-zero count is
+  // rejected, so that a worker that meant to fold but forgot the layout is told at open,
+  // not silently given the one-layer rule).
+  ScoreLayout score_layout = ScoreLayout::kPerLayer;
+  int64_t layers = 0;
 };
 
 struct SequenceStats {
@@ -41,18 +49,25 @@ struct SequenceStats {
 
 class Sequence {
  public:
-  // Validates the options (SPEC.md, "Registration fails ...") and builds the prefill cache.
+  // Validates the options (SPEC.md, "Registration fails ...", and the layout above) and
+  // builds the prefill cache.
   static absl::StatusOr<std::unique_ptr<Sequence>> Create(std::string id,
                                                           const SequenceOptions& options);
+
+  // The policy a sequence opened with `options` runs (the preset expanded), validated
+  // against its budget: what Create uses, for tools that need it before they open one.
+  // Errors: INVALID_ARGUMENT, as Create's for the budget and policy.
+  static absl::StatusOr<Policy> ResolvePolicy(const SequenceOptions& options);
 
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
 
   // Decode step `step` (the previous step + 1; the first is 1). `scores` are the step's
-  // layer scores, [layers, cache_size() + 1] in host memory, or nullptr / layers == 0 for
-  // none. On success `decision` is overwritten (its vector's capacity is reused).
+  // layer scores, [layers, cache_size() + 1] in host memory (a folded sequence: exactly
+  // one folded row on a scoring step), or nullptr / layers == 0 for none. On success
+  // `decision` is overwritten (its vector's capacity is reused).
   // Errors: FAILED_PRECONDITION for a step out of order, INVALID_ARGUMENT for missing or
-  // malformed scores on a scoring step.
+  // malformed scores on a scoring step (folded: any row count but 1).
   absl::Status Step(int64_t step, const kernels::ScoreMatrix* scores,
                     EvictionDecision* decision);
 
@@ -67,9 +82,16 @@ class Sequence {
   bool next_needs_scores() const { return policy_.IsScoringStep(last_step_ + 1); }
   const SequenceStats& stats() const { return stats_; }
   const MomentumState& state() const { return state_; }
+  ScoreLayout score_layout() const { return score_layout_; }
+  // K, the layers a folded sequence's rows fold; 0 for per-layer.
+  int64_t layers() const { return layers_; }
+  // Folded: the weights its workers fold with (FoldWeightsFor); per-layer: empty weights,
+  // decay 0.
+  const FoldWeights& fold_weights() const { return fold_weights_; }
 
  private:
-  Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy);
+  Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy,
+           ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights);
 
   absl::Status CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const;
   absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores) const;
@@ -80,6 +102,11 @@ class Sequence {
   const int64_t prefill_len_;
   const int64_t budget_;
   const Policy policy_;
+  const ScoreLayout score_layout_;
+  const int64_t layers_;
+  const FoldWeights fold_weights_;
+  // The kernel's options for a scoring step: the policy's rule, or kFolded with the decay.
+  const kernels::MomentumUpdateOptions update_options_;
   MomentumState state_;
   int64_t last_step_ = 0;
   SequenceStats stats_;

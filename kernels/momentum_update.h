@@ -4,6 +4,11 @@
 //   ema:         m <- alpha * m + (1 - alpha) * s_l      for l = 0 .. layers-1
 //   cumulative:  m <- m + s_l                            for l = 0 .. layers-1
 //   single_step: m <- (sum_l s_l) / layers               (the past is dropped)
+//   folded:      m <- decay * m + s_0                    (layers == 1: a folded row)
+//
+// `folded` is the closed form of the three score rules over K layers, for one row that the
+// caller has already folded with the weights of cache_manager/fold.h (docs/SPEC.md,
+// "Folded reports"): ema decay alpha^K, cumulative 1, single_step 0.
 //
 // The update is fused with validation: every score is checked (finite and >= 0) in the
 // same pass that reads it, and the count of bad elements is returned, so a caller can
@@ -20,17 +25,19 @@
 
 namespace kvcm::kernels {
 
-enum class ScoreAggregation : uint8_t { kEma, kCumulative, kSingleStep };
+enum class ScoreAggregation : uint8_t { kEma, kCumulative, kSingleStep, kFolded };
 
 struct MomentumUpdateOptions {
   ScoreAggregation aggregation = ScoreAggregation::kEma;
   double alpha = 0.8;  // ema only: m <- float(alpha) * m + float(1 - alpha) * s
+  double decay = 0.0;  // folded only: m <- float(decay) * m + s
 };
 
 namespace cpu {
 
 // momentum_in:  [tokens] f32, host.   momentum_out: [tokens] f32, host; may alias momentum_in.
-// scores:       [layers, tokens] f32/f16/bf16, host; scores.tokens == tokens, layers >= 1.
+// scores:       [layers, tokens] f32/f16/bf16, host; scores.tokens == tokens, layers >= 1
+//               (kFolded: REQUIRES layers == 1).
 // invalid_count:[1] i64, host: number of score elements that are negative, NaN or infinite.
 //               When it is non-zero, momentum_out holds garbage and must be discarded.
 // stream:       nullptr.

@@ -47,6 +47,11 @@ v1::OpenSequenceRequest ToRequest(const std::string& id, const SequenceOptions& 
   }
   r.set_tp_world_size(tp_ranks);
   r.set_score_dtype(v1::SCORE_DTYPE_FLOAT32);
+  if (options.score_layout == ScoreLayout::kFolded) {
+    // Each report then carries one row (layers = 1): RunReplay folds the trace's rows.
+    r.set_score_layout(v1::SCORE_LAYOUT_FOLDED);
+    r.set_layers(static_cast<int32_t>(options.layers));
+  }
   return r;
 }
 

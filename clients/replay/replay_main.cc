@@ -4,6 +4,7 @@
 //   kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary]
 //   kvcache-replay --trace FILE --compare inertia,tova,...   (a per-policy table)
 //   kvcache-replay --trace FILE --server 127.0.0.1:50051 [--tp N]  (through kvcached)
+//   kvcache-replay --trace FILE --folded [--server ADDR]  (one folded row per step)
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr naming the file line and
 // step), 1 on other failures.
@@ -28,6 +29,10 @@ ABSL_FLAG(bool, momentum, false, "add the cache's positions and momentum to ever
 ABSL_FLAG(int32_t, tp, 1,
           "split each layer's scores into N tensor-parallel rank partial sums and decide "
           "through the tensor-parallel join (decisions do not change)");
+ABSL_FLAG(bool, folded, false,
+          "open the sequence with the folded score layout and send each step's layer rows "
+          "folded into one row (docs/SPEC.md, \"Folded reports\"); decisions may differ "
+          "from the per-layer ones by float32 rounding");
 ABSL_FLAG(bool, summary, false, "print the trace's statistics after the decisions");
 ABSL_FLAG(std::string, policy, "", "replace the trace's policy with this preset");
 ABSL_FLAG(std::string, server, "",
@@ -60,7 +65,7 @@ absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "replays a kvtrace/1 file through the eviction engine.\n"
-      "  kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary]\n"
+      "  kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary] [--folded]\n"
       "  kvcache-replay --trace FILE --compare inertia,inertia_lazy4,score_free,tova");
   absl::ParseCommandLine(argc, argv);
   using kvcm::replay::ReplayOptions;
@@ -70,6 +75,7 @@ int main(int argc, char** argv) {
   options.trace_path = absl::GetFlag(FLAGS_trace);
   options.tp_ranks = absl::GetFlag(FLAGS_tp);
   options.with_momentum = absl::GetFlag(FLAGS_momentum);
+  options.folded = absl::GetFlag(FLAGS_folded);
   if (options.trace_path.empty()) {
     return Fail(absl::InvalidArgumentError("--trace FILE is required (see --help)"));
   }

@@ -22,6 +22,11 @@ struct ReplayOptions {
   std::string sequence_id;        // default: the trace's file name
   std::optional<std::string> preset;  // replaces the trace's policy (keeps its budget)
   int32_t tp_ranks = 1;
+  // Open the sequence with the folded score layout (docs/SPEC.md, "Folded reports") and
+  // send each step's layer rows folded into one row with its FoldWeightsFor. K is the row
+  // count of the first step (1 when it has none: a policy that never scores); a later
+  // step with another count fails as bad input. A policy that reads no scores is sent none.
+  bool folded = false;
   bool with_momentum = false;
   std::ostream* decisions = nullptr;  // nullptr: decisions are not written
 };

@@ -22,11 +22,12 @@ inline constexpr uint32_t kLargestFiniteBits = 0x7f7fffffu;
 struct HotLoops {
   const char* isa;
   // momentum_out[i] = update of momentum_in[i] by every layer (see momentum_update.h).
-  // Returns the largest bit pattern among the scores read: a one-instruction screen for
-  // invalid scores (> kLargestFiniteBits means "check exactly").
+  // `keep` is the factor on the old momentum: alpha for kEma, decay for kFolded (unused by
+  // the others). Returns the largest bit pattern among the scores read: a one-instruction
+  // screen for invalid scores (> kLargestFiniteBits means "check exactly").
   uint32_t (*update_momentum)(const float* momentum_in, float* momentum_out, int64_t tokens,
                               const ScoreMatrix& scores, ScoreAggregation aggregation,
-                              double alpha);
+                              double keep);
   // Index of the first minimum of values[begin, end) (values >= 0), end > begin.
   int64_t (*arg_min)(const float* values, int64_t begin, int64_t end);
   // Sum in double over four interleaved lanes (the order MeanMomentum documents).

@@ -40,6 +40,8 @@ template <ScoreAggregation A>
 inline float Combine(float m, float s, float keep, float take) {
   if constexpr (A == ScoreAggregation::kEma) {
     return keep * m + take * s;
+  } else if constexpr (A == ScoreAggregation::kFolded) {
+    return keep * m + s;  // keep = float(decay)
   } else {
     return m + s;  // cumulative, and the layer sum of single_step
   }
@@ -79,11 +81,12 @@ uint32_t FoldOne(float* acc, int64_t n, const float* r, float keep, float take) 
 
 constexpr int64_t kBlock = 1024;  // 4 KiB of float32 momentum: stays in L1 across layers
 
+// `keep_factor`: alpha for kEma, decay for kFolded.
 template <ScoreAggregation A>
 uint32_t UpdateTyped(const float* momentum_in, float* momentum_out, int64_t tokens,
-                     const ScoreMatrix& scores, double alpha) {
-  const float keep = static_cast<float>(alpha);
-  const float take = static_cast<float>(1.0 - alpha);
+                     const ScoreMatrix& scores, double keep_factor) {
+  const float keep = static_cast<float>(keep_factor);
+  const float take = static_cast<float>(1.0 - keep_factor);  // kEma only
   const float layer_count = static_cast<float>(scores.layers);
   const bool widen = scores.dtype != ScoreDtype::kFloat32;
   uint32_t screen = 0;
@@ -123,14 +126,16 @@ uint32_t UpdateTyped(const float* momentum_in, float* momentum_out, int64_t toke
 }
 
 uint32_t UpdateMomentum(const float* in, float* out, int64_t tokens, const ScoreMatrix& scores,
-                        ScoreAggregation aggregation, double alpha) {
+                        ScoreAggregation aggregation, double keep) {
   switch (aggregation) {
     case ScoreAggregation::kEma:
-      return UpdateTyped<ScoreAggregation::kEma>(in, out, tokens, scores, alpha);
+      return UpdateTyped<ScoreAggregation::kEma>(in, out, tokens, scores, keep);
     case ScoreAggregation::kCumulative:
-      return UpdateTyped<ScoreAggregation::kCumulative>(in, out, tokens, scores, alpha);
+      return UpdateTyped<ScoreAggregation::kCumulative>(in, out, tokens, scores, keep);
     case ScoreAggregation::kSingleStep:
-      return UpdateTyped<ScoreAggregation::kSingleStep>(in, out, tokens, scores, alpha);
+      return UpdateTyped<ScoreAggregation::kSingleStep>(in, out, tokens, scores, keep);
+    case ScoreAggregation::kFolded:
+      return UpdateTyped<ScoreAggregation::kFolded>(in, out, tokens, scores, keep);
   }
   return 0;
 }

@@ -43,8 +43,10 @@ void AccumulateRow(const void* row, int64_t n, double* acc) {
 void UpdateMomentum(const float* momentum_in, float* momentum_out, int64_t tokens,
                     ScoreMatrix scores, MomentumUpdateOptions options,
                     int64_t* invalid_count, StreamHandle /*stream*/) {
+  const double keep =
+      options.aggregation == ScoreAggregation::kFolded ? options.decay : options.alpha;
   const uint32_t screen = SelectedHotLoops().update_momentum(
-      momentum_in, momentum_out, tokens, scores, options.aggregation, options.alpha);
+      momentum_in, momentum_out, tokens, scores, options.aggregation, keep);
   *invalid_count = 0;
   // The screen trips on negative, infinite and NaN scores, and on -0.0, which the exact
   // count accepts. Only then is the block read a second time.

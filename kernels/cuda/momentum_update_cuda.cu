@@ -29,6 +29,8 @@ __global__ void __launch_bounds__(kThreads)
       invalid += detail::IsInvalidScore(s) ? 1 : 0;
       if constexpr (A == ScoreAggregation::kEma) {
         m = __fadd_rn(__fmul_rn(keep, m), __fmul_rn(take, s));
+      } else if constexpr (A == ScoreAggregation::kFolded) {
+        m = __fadd_rn(__fmul_rn(keep, m), s);  // keep = float(decay)
       } else {
         m = __fadd_rn(m, s);
       }
@@ -44,8 +46,11 @@ struct LaunchUpdate {
   void operator()(const float* in, float* out, int64_t tokens, const ScoreMatrix& scores,
                   const MomentumUpdateOptions& options, int64_t* invalid_count,
                   cudaStream_t stream) const {
-    const float keep = static_cast<float>(options.alpha);
-    const float take = static_cast<float>(1.0 - options.alpha);
+    // The factor on the old momentum: alpha for ema, decay for folded (as on the CPU).
+    const double keep_factor =
+        options.aggregation == ScoreAggregation::kFolded ? options.decay : options.alpha;
+    const float keep = static_cast<float>(keep_factor);
+    const float take = static_cast<float>(1.0 - keep_factor);
     const unsigned int blocks = BlocksFor(tokens);
     switch (options.aggregation) {
       case ScoreAggregation::kEma:
@@ -59,6 +64,11 @@ struct LaunchUpdate {
         return;
       case ScoreAggregation::kSingleStep:
         UpdateMomentumKernel<D, ScoreAggregation::kSingleStep>
+            <<<blocks, kThreads, 0, stream>>>(in, out, tokens, scores, keep, take,
+                                              invalid_count);
+        return;
+      case ScoreAggregation::kFolded:
+        UpdateMomentumKernel<D, ScoreAggregation::kFolded>
             <<<blocks, kThreads, 0, stream>>>(in, out, tokens, scores, keep, take,
                                               invalid_count);
         return;

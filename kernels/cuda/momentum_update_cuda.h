@@ -19,7 +19,8 @@
 namespace kvcm::kernels::cuda {
 
 // momentum_in:  [tokens] f32.   momentum_out: [tokens] f32; may alias momentum_in.
-// scores:       [layers, tokens] f32/f16/bf16 (device data, strided rows, layers >= 1).
+// scores:       [layers, tokens] f32/f16/bf16 (device data, strided rows, layers >= 1;
+//               kFolded: REQUIRES layers == 1).
 // invalid_count:[1] i64: negative, NaN or infinite scores (non-zero: discard momentum_out).
 void UpdateMomentum(const float* momentum_in, float* momentum_out, int64_t tokens,
                     ScoreMatrix scores, MomentumUpdateOptions options,

@@ -2,12 +2,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -19,6 +22,7 @@ namespace kvcm {
 namespace {
 
 using ::kvcm::testing::GoldenDir;
+using ::kvcm::testing::GoldenNames;
 using ::kvcm::testing::ReadFile;
 using ::testing::HasSubstr;
 
@@ -195,6 +199,86 @@ TEST_F(ReplayCliTest, BothBudgetsOrNeither) {
   EXPECT_EQ(Run("--trace " + both).exit_code, 2);
   const std::string neither = Write("n.jsonl", R"({"format":"kvtrace/1","prefill_len":10})" "\n");
   EXPECT_THAT(Run("--trace " + neither).err, HasSubstr("exactly one of budget_tokens"));
+}
+
+// The numbers of the JSON list that follows `key` in a decision line.
+std::vector<double> ListAfter(const std::string& line, const std::string& key) {
+  const size_t begin = line.find(key);
+  if (begin == std::string::npos) return {};
+  const size_t open = line.find('[', begin) + 1;
+  std::vector<double> values;
+  for (absl::string_view item :
+       absl::StrSplit(line.substr(open, line.find(']', open) - open), ',', absl::SkipEmpty())) {
+    double v = 0;
+    EXPECT_TRUE(absl::SimpleAtod(item, &v)) << item;
+    values.push_back(v);
+  }
+  return values;
+}
+
+// --folded sends one folded row per step: its momentum is the per-layer rule's up to
+// float32 rounding (all terms are >= 0, so the difference is relative and tiny), never
+// the same bytes everywhere (then nothing was folded), and on these far-from-tie traces
+// the decisions stay the same.
+TEST_F(ReplayCliTest, FoldedMomentumIsThePerLayerMomentumWithinRoundingOnEveryGoldenTrace) {
+  int folded_somewhere = 0, same_decisions = 0;
+  for (const std::string& name : GoldenNames()) {
+    SCOPED_TRACE(name);
+    const std::string trace = GoldenDir() + "/" + name + ".trace.jsonl";
+    const Result per_layer = Run("--momentum --trace " + trace);
+    const Result folded = Run("--folded --momentum --trace " + trace);
+    ASSERT_EQ(folded.exit_code, 0) << folded.err;
+    EXPECT_TRUE(folded.err.empty()) << folded.err;
+    const std::vector<std::string> a = absl::StrSplit(per_layer.out, '\n', absl::SkipEmpty());
+    const std::vector<std::string> b = absl::StrSplit(folded.out, '\n', absl::SkipEmpty());
+    ASSERT_EQ(a.size(), b.size());
+    bool differs = false, same = true;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const std::vector<double> pa = ListAfter(a[i], "\"positions\""), pb = ListAfter(b[i], "\"positions\"");
+      same = same && ListAfter(a[i], "\"evicted\"") == ListAfter(b[i], "\"evicted\"");
+      if (pa != pb) continue;  // a decision the rounding changed: compare where caches agree
+      const std::vector<double> va = ListAfter(a[i], "\"values\""), vb = ListAfter(b[i], "\"values\"");
+      ASSERT_EQ(va.size(), vb.size());
+      for (size_t j = 0; j < va.size(); ++j) {
+        ASSERT_LE(std::abs(va[j] - vb[j]), 1e-4 * std::max(va[j], vb[j]))
+            << "line " << i + 1 << " position " << pa[j];
+        differs = differs || va[j] != vb[j];
+      }
+    }
+    folded_somewhere += differs ? 1 : 0;
+    same_decisions += same ? 1 : 0;
+  }
+  // ema with alpha 0 and recency fold exactly; every other golden trace rounds differently.
+  EXPECT_GE(folded_somewhere, 6);
+  EXPECT_EQ(same_decisions, static_cast<int>(GoldenNames().size()));
+}
+
+TEST_F(ReplayCliTest, FoldedThroughTheTensorParallelJoinDecidesAlike) {
+  for (const char* name : {"ema_lazy4", "cumulative_recent"}) {
+    const std::string trace = GoldenDir() + "/" + name + ".trace.jsonl";
+    const Result one = Run("--folded --momentum --trace " + trace);
+    const Result three = Run("--folded --momentum --tp 3 --trace " + trace);
+    EXPECT_EQ(three.exit_code, 0) << three.err;
+    EXPECT_EQ(three.out, one.out) << name;
+  }
+}
+
+TEST_F(ReplayCliTest, FoldedRejectsALayerCountThatChanges) {
+  const std::string path = Write(
+      "t.jsonl", GoldenPrefix("ema_every_step", 2) + R"({"step":3,"layers":[[0.1],[0.2],[0.3]]})" "\n");
+  const Result r = Run("--folded --trace " + path);
+  ExpectRejected(r, "t.jsonl:4:", "step 3", 2);
+  EXPECT_THAT(r.err, HasSubstr("3 layer rows, but this folded replay folds 4"));
+}
+
+TEST_F(ReplayCliTest, FoldedStillRejectsBadScores) {
+  std::string text = GoldenPrefix("ema_every_step", 2);
+  text.insert(text.rfind("[[") + 2, "-");  // first score of step 2, layer 0
+  const Result r = Run("--folded --trace " + Write("t.jsonl", text));
+  ExpectRejected(r, "t.jsonl:3:", "step 2", 1);
+  // Checked before folding: in the folded row the negative score would be outweighed.
+  EXPECT_THAT(r.err, HasSubstr("layer 0 score 0 is -"));
+  EXPECT_THAT(r.err, HasSubstr("before folding"));
 }
 
 TEST_F(ReplayCliTest, UsageErrors) {

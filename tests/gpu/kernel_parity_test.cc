@@ -114,18 +114,28 @@ class ScoreKernelParityTest
 };
 
 TEST_P(ScoreKernelParityTest, UpdateMomentumIsBitIdenticalForEveryAggregation) {
-  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 11 + static_cast<uint64_t>(n()));
-  DeviceArray<uint8_t> device_scores(scores.bytes);
+  const HostScores layer_rows =
+      MakeScores(dtype(), kLayers, n(), kPad, 11 + static_cast<uint64_t>(n()));
+  const HostScores folded_row = MakeScores(dtype(), 1, n(), kPad, 17 + static_cast<uint64_t>(n()));
+  DeviceArray<uint8_t> device_layer_rows(layer_rows.bytes);
+  DeviceArray<uint8_t> device_folded_row(folded_row.bytes);
   const std::vector<float> momentum = RandomMomentum(n(), 5);
+  // Folded decays: ema alpha 0.8 over 32 layers, cumulative, single_step, arbitrary.
   const MomentumUpdateOptions cases[] = {
       {ScoreAggregation::kEma, 0.8},        {ScoreAggregation::kEma, 0.0},
       {ScoreAggregation::kEma, 0.37},       {ScoreAggregation::kCumulative, 0.8},
-      {ScoreAggregation::kSingleStep, 0.8},
+      {ScoreAggregation::kSingleStep, 0.8}, {ScoreAggregation::kFolded, 0.8, 0.00079228162514264},
+      {ScoreAggregation::kFolded, 0.8, 1.0}, {ScoreAggregation::kFolded, 0.8, 0.0},
+      {ScoreAggregation::kFolded, 0.8, 0.37},
   };
   for (const MomentumUpdateOptions& options : cases) {
+    // A folded update takes one row.
+    const bool folded = options.aggregation == ScoreAggregation::kFolded;
+    const HostScores& scores = folded ? folded_row : layer_rows;
+    const DeviceArray<uint8_t>& device_scores = folded ? device_folded_row : device_layer_rows;
     SCOPED_TRACE(Describe(dtype(), n()) + " aggregation " +
                  std::to_string(static_cast<int>(options.aggregation)) + " alpha " +
-                 std::to_string(options.alpha));
+                 std::to_string(options.alpha) + " decay " + std::to_string(options.decay));
     std::vector<float> cpu_out(momentum.size());
     int64_t cpu_invalid = -1;
     cpu::UpdateMomentum(momentum.data(), cpu_out.data(), n(), scores.Host(), options,
@@ -151,28 +161,34 @@ TEST_P(ScoreKernelParityTest, UpdateMomentumIsBitIdenticalForEveryAggregation) {
 
 TEST_P(ScoreKernelParityTest, InvalidScoresAreCountedAlike) {
   const int bad = n() >= 7 ? 7 : 1;
-  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 99, bad);
-  DeviceArray<uint8_t> device_scores(scores.bytes);
   const std::vector<float> momentum = RandomMomentum(n(), 6);
+  // The default (ema) update over kLayers rows, and a folded update of one row.
+  const MomentumUpdateOptions folded{ScoreAggregation::kFolded, 0.8, 0.5};
+  for (const MomentumUpdateOptions& options : {MomentumUpdateOptions{}, folded}) {
+    const bool one_row = options.aggregation == ScoreAggregation::kFolded;
+    SCOPED_TRACE(one_row ? "folded" : "ema");
+    const HostScores scores = MakeScores(dtype(), one_row ? 1 : kLayers, n(), kPad, 99, bad);
+    DeviceArray<uint8_t> device_scores(scores.bytes);
 
-  int64_t cpu_update = -1;
-  std::vector<float> cpu_out(momentum.size());
-  cpu::UpdateMomentum(momentum.data(), cpu_out.data(), n(), scores.Host(), {}, &cpu_update,
-                      nullptr);
-  int64_t cpu_count = -1;
-  cpu::CountInvalidScores(scores.Host(), &cpu_count, nullptr);
-  ASSERT_GT(cpu_count, 0);
-  EXPECT_EQ(cpu_update, cpu_count);
+    int64_t cpu_update = -1;
+    std::vector<float> cpu_out(momentum.size());
+    cpu::UpdateMomentum(momentum.data(), cpu_out.data(), n(), scores.Host(), options,
+                        &cpu_update, nullptr);
+    int64_t cpu_count = -1;
+    cpu::CountInvalidScores(scores.Host(), &cpu_count, nullptr);
+    ASSERT_GT(cpu_count, 0);
+    EXPECT_EQ(cpu_update, cpu_count);
 
-  DeviceArray<float> in(momentum);
-  DeviceArray<int64_t> invalid(1);
-  cuda::UpdateMomentum(in.get(), in.get(), n(), scores.At(device_scores.get()), {},
-                       invalid.get(), nullptr);
-  KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
-  EXPECT_EQ(invalid.Download()[0], cpu_count);
-  cuda::CountInvalidScores(scores.At(device_scores.get()), invalid.get(), nullptr);
-  KVCM_ASSERT_KERNELS_OK("CountInvalidScores");
-  EXPECT_EQ(invalid.Download()[0], cpu_count);
+    DeviceArray<float> in(momentum);
+    DeviceArray<int64_t> invalid(1);
+    cuda::UpdateMomentum(in.get(), in.get(), n(), scores.At(device_scores.get()), options,
+                         invalid.get(), nullptr);
+    KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
+    EXPECT_EQ(invalid.Download()[0], cpu_count);
+    cuda::CountInvalidScores(scores.At(device_scores.get()), invalid.get(), nullptr);
+    KVCM_ASSERT_KERNELS_OK("CountInvalidScores");
+    EXPECT_EQ(invalid.Download()[0], cpu_count);
+  }
 }
 
 TEST_P(ScoreKernelParityTest, ValidScoresCountZero) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/hot_loops.h"
 #include "kernels/half_float.h"
 #include "kernels/score_validation.h"
 
@@ -53,12 +54,15 @@ struct StoredScores {
   }
 };
 
-// The update written plainly: SPEC.md step 3, in float32.
+// The update written plainly: SPEC.md step 3 (folded: m <- float(decay) * m + s_0), in
+// float32.
 std::vector<float> ReferenceUpdate(std::vector<float> m, const std::vector<float>& s,
-                                   int64_t layers, ScoreAggregation aggregation, double alpha) {
+                                   int64_t layers, const MomentumUpdateOptions& options) {
   const size_t n = m.size();
-  const float keep = static_cast<float>(alpha);
-  const float take = static_cast<float>(1.0 - alpha);
+  const ScoreAggregation aggregation = options.aggregation;
+  const float keep = static_cast<float>(
+      aggregation == ScoreAggregation::kFolded ? options.decay : options.alpha);
+  const float take = static_cast<float>(1.0 - options.alpha);
   if (aggregation == ScoreAggregation::kSingleStep) {
     std::vector<float> sum(n, 0.0f);
     for (int64_t l = 0; l < layers; ++l) {
@@ -69,8 +73,10 @@ std::vector<float> ReferenceUpdate(std::vector<float> m, const std::vector<float
   }
   for (int64_t l = 0; l < layers; ++l) {
     for (size_t i = 0; i < n; ++i) {
-      m[i] = aggregation == ScoreAggregation::kEma ? keep * m[i] + take * s[l * n + i]
-                                                   : m[i] + s[l * n + i];
+      const float x = s[l * n + i];
+      m[i] = aggregation == ScoreAggregation::kEma      ? keep * m[i] + take * x
+             : aggregation == ScoreAggregation::kFolded ? keep * m[i] + x
+                                                        : m[i] + x;
     }
   }
   return m;
@@ -80,34 +86,61 @@ struct UpdateCase {
   ScoreDtype dtype;
   ScoreAggregation aggregation;
   int64_t tokens;
+  double decay = 0.0;  // kFolded only
+
+  MomentumUpdateOptions Options() const { return {aggregation, 0.8, decay}; }
+  // A folded update takes one row.
+  int64_t Layers(int64_t per_layer) const {
+    return aggregation == ScoreAggregation::kFolded ? 1 : per_layer;
+  }
 };
+
+// Every instruction-set table this CPU runs (the public kernel uses only the selected one).
+std::vector<const cpu::HotLoops*> RunnableTables() {
+  std::vector<const cpu::HotLoops*> tables = {&cpu::BaselineHotLoops()};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    tables.push_back(&cpu::Avx2HotLoops());
+  }
+#endif
+  return tables;
+}
 
 class UpdateMomentumTest : public ::testing::TestWithParam<UpdateCase> {};
 
 TEST_P(UpdateMomentumTest, MatchesThePlainReferenceBitForBit) {
   const UpdateCase c = GetParam();
-  constexpr int64_t kLayers = 5;
-  StoredScores scores(c.dtype, kLayers, c.tokens, /*pad=*/3, /*seed=*/c.tokens);
+  const int64_t layers = c.Layers(5);
+  StoredScores scores(c.dtype, layers, c.tokens, /*pad=*/3, /*seed=*/c.tokens);
   std::vector<float> momentum(static_cast<size_t>(c.tokens));
   for (size_t i = 0; i < momentum.size(); ++i) momentum[i] = 0.001f * static_cast<float>(i % 97);
-  const std::vector<float> want =
-      ReferenceUpdate(momentum, scores.decoded, kLayers, c.aggregation, 0.8);
+  const std::vector<float> want = ReferenceUpdate(momentum, scores.decoded, layers, c.Options());
   std::vector<float> got(momentum.size(), -7.0f);
   int64_t invalid = -1;
-  cpu::UpdateMomentum(momentum.data(), got.data(), c.tokens, scores.matrix,
-                      {c.aggregation, 0.8}, &invalid, nullptr);
+  cpu::UpdateMomentum(momentum.data(), got.data(), c.tokens, scores.matrix, c.Options(),
+                      &invalid, nullptr);
   EXPECT_EQ(invalid, 0);
   for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(got[i], want[i]) << "token " << i;
+  if (c.aggregation != ScoreAggregation::kFolded) return;  // hot_loops_test covers the rest
+  for (const cpu::HotLoops* table : RunnableTables()) {
+    std::vector<float> out(momentum.size(), -7.0f);
+    const uint32_t screen = table->update_momentum(momentum.data(), out.data(), c.tokens,
+                                                   scores.matrix, c.aggregation, c.decay);
+    EXPECT_LE(screen, cpu::kLargestFiniteBits) << table->isa;
+    EXPECT_EQ(out, want) << table->isa;
+  }
 }
 
 TEST_P(UpdateMomentumTest, WorksInPlace) {
   const UpdateCase c = GetParam();
-  StoredScores scores(c.dtype, 3, c.tokens, 0, 99);
+  const int64_t layers = c.Layers(3);
+  StoredScores scores(c.dtype, layers, c.tokens, 0, 99);
   std::vector<float> momentum(static_cast<size_t>(c.tokens), 0.25f);
-  const std::vector<float> want = ReferenceUpdate(momentum, scores.decoded, 3, c.aggregation, 0.8);
+  const std::vector<float> want = ReferenceUpdate(momentum, scores.decoded, layers, c.Options());
   int64_t invalid = -1;
-  cpu::UpdateMomentum(momentum.data(), momentum.data(), c.tokens, scores.matrix,
-                      {c.aggregation, 0.8}, &invalid, nullptr);
+  cpu::UpdateMomentum(momentum.data(), momentum.data(), c.tokens, scores.matrix, c.Options(),
+                      &invalid, nullptr);
   EXPECT_EQ(invalid, 0);
   EXPECT_EQ(momentum, want);
 }
@@ -115,10 +148,16 @@ TEST_P(UpdateMomentumTest, WorksInPlace) {
 std::vector<UpdateCase> AllCases() {
   std::vector<UpdateCase> cases;
   for (ScoreDtype d : {ScoreDtype::kFloat32, ScoreDtype::kFloat16, ScoreDtype::kBFloat16}) {
-    for (ScoreAggregation a : {ScoreAggregation::kEma, ScoreAggregation::kCumulative,
-                               ScoreAggregation::kSingleStep}) {
-      // Around the kernel's 1024-token block boundary, and odd sizes.
-      for (int64_t n : {1, 7, 111, 1023, 1024, 1025, 4096, 5000}) cases.push_back({d, a, n});
+    // Around the kernel's 1024-token block boundary, and odd sizes.
+    for (int64_t n : {1, 7, 111, 1023, 1024, 1025, 4096, 5000}) {
+      for (ScoreAggregation a : {ScoreAggregation::kEma, ScoreAggregation::kCumulative,
+                                 ScoreAggregation::kSingleStep}) {
+        cases.push_back({d, a, n});
+      }
+      // Folded decays: ema alpha 0.8 over 32 layers, cumulative, single_step, arbitrary.
+      for (double decay : {0.00079228162514264, 1.0, 0.0, 0.37}) {
+        cases.push_back({d, ScoreAggregation::kFolded, n, decay});
+      }
     }
   }
   return cases;
@@ -126,6 +165,32 @@ std::vector<UpdateCase> AllCases() {
 
 INSTANTIATE_TEST_SUITE_P(AllDtypesAndAggregations, UpdateMomentumTest,
                          ::testing::ValuesIn(AllCases()));
+
+TEST(FoldedUpdateTest, DecayOneIsACumulativeStepAndDecayZeroTakesTheRow) {
+  std::vector<float> s = {0.1f, 0.9f, 0.3f};
+  const ScoreMatrix row = ScoreMatrix::Dense(s.data(), ScoreDtype::kFloat32, 1, 3);
+  std::vector<float> m = {5.0f, 0.25f, 1e-3f}, folded(3), cumulative(3);
+  int64_t invalid = 0;
+  cpu::UpdateMomentum(m.data(), folded.data(), 3, row, {ScoreAggregation::kFolded, 0.8, 1.0},
+                      &invalid, nullptr);
+  cpu::UpdateMomentum(m.data(), cumulative.data(), 3, row, {ScoreAggregation::kCumulative, 0.8},
+                      &invalid, nullptr);
+  EXPECT_EQ(folded, cumulative);
+  cpu::UpdateMomentum(m.data(), folded.data(), 3, row, {ScoreAggregation::kFolded, 0.8, 0.0},
+                      &invalid, nullptr);
+  EXPECT_EQ(folded, s);
+}
+
+TEST(FoldedUpdateTest, CountsInvalidScoresOfTheRow) {
+  std::vector<float> s = {0.5f, -0.25f, std::numeric_limits<float>::quiet_NaN(), 0.0f, -0.0f,
+                          std::numeric_limits<float>::infinity()};
+  const int64_t n = static_cast<int64_t>(s.size());
+  std::vector<float> m(s.size(), 1.0f), out(s.size());
+  int64_t invalid = 0;
+  cpu::UpdateMomentum(m.data(), out.data(), n, ScoreMatrix::Dense(s.data(), ScoreDtype::kFloat32, 1, n),
+                      {ScoreAggregation::kFolded, 0.8, 0.5}, &invalid, nullptr);
+  EXPECT_EQ(invalid, 3);  // -0.25, NaN, +inf; -0.0 is accepted
+}
 
 TEST(UpdateMomentumValidationTest, CountsNegativeNanAndInfinite) {
   std::vector<float> scores = {0.5f, -0.25f, std::numeric_limits<float>::quiet_NaN(),
