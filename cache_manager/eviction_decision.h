@@ -33,6 +33,8 @@ struct EvictionDecision {
   // whether scores were sent on a step that did not need them (ignored).
   bool scored = false;
   bool scores_ignored = false;
+  // Engine time of the step (the join included), for the decision-time histogram.
+  double decide_seconds = 0;
   // The policy that decided (for per-policy accounting): its preset name, empty for a
   // policy given field by field, and its aggregation.
   std::string preset;
@@ -48,6 +50,7 @@ struct EvictionDecision {
     kv.clear();
     cache_size = 0;
     next_needs_scores = scored = scores_ignored = false;
+    decide_seconds = 0;
   }
 };
 

@@ -9,6 +9,7 @@
 #ifndef KVCM_CACHE_MANAGER_MUTEX_H_
 #define KVCM_CACHE_MANAGER_MUTEX_H_
 
+#include <condition_variable>
 #include <shared_mutex>
 
 #include "absl/base/thread_annotations.h"
@@ -26,6 +27,9 @@ class ABSL_LOCKABLE Mutex {
   bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) { return mu_.try_lock(); }
   void ReaderLock() ABSL_SHARED_LOCK_FUNCTION() { mu_.lock_shared(); }
   void ReaderUnlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock_shared(); }
+  // Releases the (exclusively held) mutex while blocked on `cv`, and holds it again on
+  // return. Callers loop on their condition: wake-ups may be spurious.
+  void Wait(std::condition_variable_any* cv) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) { cv->wait(mu_); }
 
  private:
   std::shared_mutex mu_;

@@ -1,9 +1,10 @@
-// SequenceTable: every open sequence of the daemon, by id. Opens, steps (single rank or
-// tensor-parallel rank reports), closes, introspects and reclaims idle sequences.
+// SequenceTable: the registry of open sequences: ids, limits, and each id's
+// SequenceSlot (which holds the engine state; see sequence_slot.h). Opens, routes rank
+// reports to their slot, closes, introspects and reclaims idle sequences.
 //
 // Thread-safe. Steps of different sequences run in parallel; steps of one sequence are
-// serialized by that sequence's mutex. Lock order: the table mutex `mu_` is taken before a
-// sequence's `Entry::mu`, and never held while a step computes or a callback runs.
+// serialized by its slot. Lock order: the registry mutex `mu_` before a slot's mutex; the
+// registry mutex is never held while a step computes or a sink runs.
 #ifndef KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
 #define KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
 
@@ -25,6 +26,7 @@
 #include "cache_manager/kv_pools.h"
 #include "cache_manager/mutex.h"
 #include "cache_manager/sequence.h"
+#include "cache_manager/sequence_slot.h"
 #include "cache_manager/tensor_parallel_join.h"
 
 namespace kvcm {
@@ -37,27 +39,9 @@ struct SequenceTableOptions {
   // With pools, every sequence leases slots for its cache on every rank. Not owned; must
   // outlive the table.
   KvPools* kv_pools = nullptr;
-};
-
-// A snapshot of one sequence.
-struct SequenceInfo {
-  std::string id;
-  kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32;
-  int64_t prefill_len = 0;
-  int64_t budget = 0;
-  Policy policy;
-  int32_t tp_world_size = 1;
-  int64_t last_step = 0;
-  int64_t cache_size = 0;
-  bool next_needs_scores = false;
-  int32_t ranks_reported = 0;  // for the pending step, tensor-parallel only
-  SequenceStats stats;
-  absl::Time last_active;
-  // Only when asked for: the cached positions (ascending) and their momentum, and with
-  // KV pools each rank's slot of each cached token ([ranks][cache_size]).
-  std::vector<int64_t> positions;
-  std::vector<float> momentum;
-  std::vector<std::vector<int64_t>> kv_slots;
+  // Caps the partial sums held by tensor-parallel steps waiting for ranks (bytes, all
+  // sequences together); past it a report is refused with RESOURCE_EXHAUSTED.
+  int64_t max_pending_join_bytes = int64_t{1} << 30;
 };
 
 struct SequenceTableTotals {
@@ -65,10 +49,9 @@ struct SequenceTableTotals {
   int64_t cached_tokens = 0;
 };
 
-// Receives the decision of a tensor-parallel step once every rank has reported, or the
-// error that ended the step (the step's join failed, or the sequence was closed or
-// reclaimed while it waited). Called exactly once, with no table lock held, on the thread
-// of the report that completed the step (or of the Close/ReclaimIdle).
+// The callback form of a DecisionSink, for tools and tests (it allocates per report; the
+// daemon passes DecisionWaiters). Called exactly once, with the sequence's slot locked,
+// on the thread of the report that completed the step (or of the Close/ReclaimIdle).
 using RankDecisionCallback = absl::AnyInvocable<void(const absl::StatusOr<EvictionDecision>&)>;
 
 class SequenceTable {
@@ -80,8 +63,10 @@ class SequenceTable {
   SequenceTable& operator=(const SequenceTable&) = delete;
 
   // Registers a sequence reported by `tp_world_size` ranks, whose reports carry
-  // `score_dtype` unless they say otherwise. Errors: INVALID_ARGUMENT (options, id, world
-  // size), ALREADY_EXISTS, RESOURCE_EXHAUSTED (max_sequences reached).
+  // `score_dtype` unless they say otherwise. The id and the limits are checked first
+  // (the id is reserved meanwhile), then the engine state is built and the KV leased.
+  // Errors: INVALID_ARGUMENT (options, id, world size), ALREADY_EXISTS,
+  // RESOURCE_EXHAUSTED (max_sequences reached, or a KV pool full).
   absl::StatusOr<SequenceInfo> Open(
       std::string id, const SequenceOptions& options, int32_t tp_world_size = 1,
       kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32);
@@ -99,11 +84,10 @@ class SequenceTable {
   absl::Status Step(absl::string_view id, int64_t step, const kernels::ScoreMatrix* scores,
                     EvictionDecision* decision);
 
-  // One rank's report for a step of a sequence opened with tp_world_size ranks. A
-  // single-rank sequence accepts already pooled scores (head_count 0, stepped in place
-  // without a copy) or a head sum with its head count. On error the report is rejected,
-  // `on_decided` is not called, and nothing changes. Otherwise `on_decided` is called once:
-  // immediately if this report completes the step, later otherwise.
+  // One rank's report for a step of a sequence: SequenceSlot::Submit. NOT_FOUND when the
+  // id is not open.
+  absl::Status SubmitRankReport(absl::string_view id, const RankReport& report,
+                                DecisionWaiter waiter);
   absl::Status SubmitRankReport(absl::string_view id, const RankReport& report,
                                 RankDecisionCallback on_decided);
 
@@ -111,53 +95,35 @@ class SequenceTable {
   absl::StatusOr<SequenceInfo> Inspect(absl::string_view id, bool with_cache) const;
   std::vector<SequenceInfo> List() const;
   SequenceTableTotals Totals() const;
+  // Bytes of partial sums held by pending tensor-parallel steps.
+  int64_t pending_join_bytes() const { return join_budget_.used(); }
 
   // Abandons every tensor-parallel step whose first report arrived more than `timeout`
   // ago and still misses ranks: its waiting ranks get DEADLINE_EXCEEDED naming the
   // missing ones, and the step may be sent again (nothing changed). Returns how many.
   int64_t AbortStaleJoins(absl::Duration timeout);
 
+  // Abandons every pending tensor-parallel step (shutdown): waiting ranks get `why`.
+  void AbandonPendingSteps(const absl::Status& why);
+
   // Closes every sequence not stepped, opened or inspected for `idle_timeout`; returns
   // their last snapshots.
   std::vector<SequenceInfo> ReclaimIdle(absl::Duration idle_timeout);
 
  private:
-  struct Entry {
-    Entry(std::unique_ptr<Sequence> s, int32_t world_size, kernels::ScoreDtype dtype)
-        : sequence(std::move(s)), join(world_size), score_dtype(dtype) {}
-    mutable Mutex mu;
-    std::unique_ptr<Sequence> sequence ABSL_GUARDED_BY(mu);
-    TensorParallelJoin join ABSL_GUARDED_BY(mu);
-    const kernels::ScoreDtype score_dtype;
-    std::optional<SequenceKv> kv ABSL_GUARDED_BY(mu);  // with KV pools
-    std::vector<RankDecisionCallback> waiting ABSL_GUARDED_BY(mu);
-    absl::Time join_started ABSL_GUARDED_BY(mu);  // first report of the pending step
-    EvictionDecision decision ABSL_GUARDED_BY(mu);  // reused by tensor-parallel steps
-    absl::Time last_active ABSL_GUARDED_BY(mu);
-    bool closed ABSL_GUARDED_BY(mu) = false;
-  };
-
-  std::shared_ptr<Entry> Find(absl::string_view id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The slot of an open id, or null (unknown, or still being opened).
+  std::shared_ptr<SequenceSlot> Find(absl::string_view id) const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<std::shared_ptr<SequenceSlot>> AllSlots() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status NotFound(absl::string_view id) const;
-  static SequenceInfo Snapshot(const Entry& entry, bool with_cache)
-      ABSL_SHARED_LOCKS_REQUIRED(entry.mu);
-  // One step of the entry's sequence, with its KV slots kept in step (when it has them).
-  absl::Status StepEntry(Entry& entry, int64_t step, const kernels::ScoreMatrix* scores,
-                         EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(entry.mu);
-  // Adds `report` to the entry's pending step. When it completes the step, runs it and
-  // moves every waiting callback (this report's included) to `callbacks` with the result.
-  absl::Status AddToJoin(Entry& entry, absl::string_view id, const RankReport& report,
-                         RankDecisionCallback on_decided,
-                         absl::StatusOr<EvictionDecision>* result,
-                         std::vector<RankDecisionCallback>* callbacks)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(entry.mu);
-  // Marks `entry` closed and hands back the callbacks of its pending step.
-  static std::vector<RankDecisionCallback> Abandon(Entry& entry) ABSL_LOCKS_EXCLUDED(entry.mu);
+  // Removes `id` when it still maps to `slot`.
+  void Erase(absl::string_view id, const SequenceSlot* slot) ABSL_LOCKS_EXCLUDED(mu_);
 
   const SequenceTableOptions options_;
   const Clock* const clock_;
+  ByteBudget join_budget_;
   mutable Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  // A null slot reserves an id whose Open is still building it.
+  absl::flat_hash_map<std::string, std::shared_ptr<SequenceSlot>> slots_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcm

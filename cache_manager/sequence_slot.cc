@@ -1,0 +1,261 @@
+#include "cache_manager/sequence_slot.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "cache_manager/status_macros.h"
+
+namespace kvcm {
+
+bool ByteBudget::TryTake(int64_t bytes) {
+  int64_t used = used_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > limit_ - used) return false;
+  } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
+                           kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
+                           ByteBudget* join_budget, absl::Time now)
+    : score_dtype_(score_dtype),
+      tp_world_size_(tp_world_size),
+      join_budget_(join_budget),
+      sequence_(std::move(sequence)),
+      join_(tp_world_size),
+      kv_(std::move(kv)),
+      last_active_(now) {}
+
+SequenceSlot::~SequenceSlot() {
+  MutexLock lock(&mu_);
+  ReleaseJoinBytesLocked();
+}
+
+void SequenceSlot::ReleaseJoinBytesLocked() {
+  if (join_budget_ != nullptr && join_bytes_ > 0) join_budget_->Give(join_bytes_);
+  join_bytes_ = 0;
+}
+
+absl::Status SequenceSlot::StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
+                                      EvictionDecision* decision) {
+  if (!kv_.has_value()) return sequence_->Step(step, scores, decision);
+  // The new token's slot first, so that a full pool rejects the step before it happens.
+  const bool in_order = step == sequence_->last_step() + 1;
+  if (in_order) RETURN_IF_ERROR(kv_->AppendToken(sequence_->id(), step));
+  absl::Status stepped = sequence_->Step(step, scores, decision);
+  if (!stepped.ok()) {
+    if (in_order) kv_->UndoAppend();
+    return stepped;
+  }
+  kv_->ApplyDecision(decision);
+  return absl::OkStatus();
+}
+
+absl::Status SequenceSlot::Step(int64_t step, const kernels::ScoreMatrix* scores,
+                                EvictionDecision* decision, absl::Time now) {
+  MutexLock lock(&mu_);
+  if (closed_) {
+    return absl::NotFoundError(absl::StrCat("sequence '", sequence_->id(), "' is not open"));
+  }
+  if (tp_world_size_ != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", sequence_->id(), "' has ", tp_world_size_,
+        " tensor-parallel ranks; step it with one report per rank"));
+  }
+  RETURN_IF_ERROR(StepLocked(step, scores, decision));
+  last_active_ = now;
+  return absl::OkStatus();
+}
+
+absl::Status SequenceSlot::Submit(const RankReport& report, DecisionWaiter waiter,
+                                  absl::Time now) {
+  MutexLock lock(&mu_);
+  if (closed_) {
+    return absl::NotFoundError(absl::StrCat("sequence '", sequence_->id(), "' is not open"));
+  }
+  if (tp_world_size_ > 1 || report.head_count != 0) return SubmitToJoinLocked(report, waiter, now);
+  // Already pooled by a single-rank worker: step in place, no copy, no join.
+  if (report.rank != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", sequence_->id(), "' step ", report.step, ": rank ", report.rank,
+        " reported for a sequence with a single rank"));
+  }
+  const absl::Time start = absl::Now();
+  RETURN_IF_ERROR(StepLocked(report.step, &report.partial_sums, &decision_));
+  decision_.decide_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  last_active_ = now;
+  waiter.sink->OnDecided(waiter.tag, absl::OkStatus(), decision_);
+  return absl::OkStatus();
+}
+
+absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, DecisionWaiter waiter,
+                                              absl::Time now) {
+  const Sequence& sequence = *sequence_;
+  const int64_t step = sequence.last_step() + 1;
+  const bool known_rank = report.rank >= 0 && report.rank < tp_world_size_;
+  if (rejection_.has_value() && known_rank) {
+    std::vector<bool>& told = rejection_->told;
+    if (rejection_->step == report.step && !told[static_cast<size_t>(report.rank)]) {
+      told[static_cast<size_t>(report.rank)] = true;
+      absl::Status status = rejection_->status;
+      if (std::all_of(told.begin(), told.end(), [](bool t) { return t; })) rejection_.reset();
+      return status;
+    }
+    // This rank retries the step (or has moved on): the old rejection is not its business.
+    if (rejection_->step != report.step) rejection_.reset();
+  }
+
+  const JoinExpectation expect{sequence.id(), step, sequence.next_score_length(),
+                               sequence.policy().IsScoringStep(step)};
+  const kernels::ScoreMatrix& p = report.partial_sums;
+  const int64_t bytes = expect.scoring_step && p.layers > 0 && p.tokens > 0
+                            ? p.layers * p.tokens * static_cast<int64_t>(ScoreDtypeSize(p.dtype))
+                            : 0;
+  // Whether this report is a rank's first for the pending step: then its rejection
+  // rejects the step on every rank. A stray report (another step, a rank that already
+  // reported) is refused alone.
+  const auto joins_pending_step = [&] {
+    if (!known_rank || report.step != step) return false;
+    const std::vector<int32_t> missing = join_.MissingRanks();
+    return std::find(missing.begin(), missing.end(), report.rank) != missing.end();
+  };
+  if (bytes > 0 && join_budget_ != nullptr && !join_budget_->TryTake(bytes)) {
+    absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", sequence.id(), "' step ", report.step, " rank ", report.rank, ": its ",
+        bytes, " bytes of partial sums do not fit: pending tensor-parallel steps hold ",
+        join_budget_->used(), " of the daemon's ", join_budget_->limit(),
+        " bytes (--max_pending_join_bytes)"));
+    if (joins_pending_step()) RejectStepLocked(step, report.rank, refused);
+    return refused;
+  }
+  if (absl::Status added = join_.Add(report, expect); !added.ok()) {
+    if (bytes > 0 && join_budget_ != nullptr) join_budget_->Give(bytes);
+    if (joins_pending_step()) RejectStepLocked(step, report.rank, added);
+    return added;
+  }
+  join_bytes_ += bytes;
+  last_active_ = now;
+  if (join_.arrived() == 1) join_started_ = now;
+  waiting_.push_back(waiter);
+  if (!join_.complete()) return absl::OkStatus();
+
+  const absl::Time start = absl::Now();
+  const kernels::ScoreMatrix joined = join_.Join();
+  const bool ignored = join_.any_scores_ignored();
+  absl::Status status = StepLocked(step, &joined, &decision_);
+  if (status.ok()) {
+    // The ranks' scores on a non-scoring step never reach Sequence::Step (the join drops
+    // them), so the accounting of ignored scores happens here.
+    decision_.scores_ignored = decision_.scores_ignored || ignored;
+    decision_.decide_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  FinishJoinLocked(status);
+  return absl::OkStatus();
+}
+
+void SequenceSlot::FinishJoinLocked(const absl::Status& status) {
+  for (const DecisionWaiter& w : waiting_) w.sink->OnDecided(w.tag, status, decision_);
+  waiting_.clear();
+  join_.Reset();
+  ReleaseJoinBytesLocked();
+}
+
+void SequenceSlot::RejectStepLocked(int64_t step, int32_t rank, const absl::Status& status) {
+  Rejection rejection{step, status, std::vector<bool>(static_cast<size_t>(tp_world_size_), false)};
+  // The rejected rank is told by its own Submit, the waiting ones by FinishJoinLocked.
+  std::fill(rejection.told.begin(), rejection.told.end(), true);
+  for (int32_t missing : join_.MissingRanks()) rejection.told[static_cast<size_t>(missing)] = false;
+  rejection.told[static_cast<size_t>(rank)] = true;
+  FinishJoinLocked(status);
+  if (!std::all_of(rejection.told.begin(), rejection.told.end(), [](bool t) { return t; })) {
+    rejection_ = std::move(rejection);
+  }
+}
+
+SequenceInfo SequenceSlot::SnapshotLocked(bool with_cache) const {
+  const Sequence& s = *sequence_;
+  SequenceInfo info;
+  info.id = s.id();
+  info.score_dtype = score_dtype_;
+  info.prefill_len = s.prefill_len();
+  info.budget = s.budget();
+  info.policy = s.policy();
+  info.score_layout = s.score_layout();
+  info.layers = s.layers();
+  info.fold_weights = s.fold_weights();
+  info.tp_world_size = tp_world_size_;
+  info.last_step = s.last_step();
+  info.cache_size = s.cache_size();
+  info.next_needs_scores = s.next_needs_scores();
+  info.ranks_reported = join_.arrived();
+  info.stats = s.stats();
+  info.last_active = last_active_;
+  if (with_cache) {
+    const auto positions = s.state().positions();
+    const auto momentum = s.state().momentum();
+    info.positions.assign(positions.begin(), positions.end());
+    info.momentum.assign(momentum.begin(), momentum.end());
+    if (kv_.has_value()) info.kv_slots = kv_->Slots();
+  }
+  return info;
+}
+
+absl::StatusOr<SequenceInfo> SequenceSlot::Snapshot(bool with_cache, absl::Time touch) {
+  MutexLock lock(&mu_);
+  if (closed_) {
+    return absl::NotFoundError(absl::StrCat("sequence '", sequence_->id(), "' is not open"));
+  }
+  last_active_ = touch;
+  return SnapshotLocked(with_cache);
+}
+
+SequenceInfo SequenceSlot::Peek() const {
+  ReaderMutexLock lock(&mu_);
+  return SnapshotLocked(/*with_cache=*/false);
+}
+
+int64_t SequenceSlot::cache_size() const {
+  ReaderMutexLock lock(&mu_);
+  return sequence_->cache_size();
+}
+
+bool SequenceSlot::closed() const {
+  ReaderMutexLock lock(&mu_);
+  return closed_;
+}
+
+SequenceInfo SequenceSlot::Close(const absl::Status& why) {
+  MutexLock lock(&mu_);
+  closed_ = true;
+  rejection_.reset();
+  FinishJoinLocked(why);
+  return SnapshotLocked(/*with_cache=*/false);
+}
+
+bool SequenceSlot::AbortJoinStartedBefore(absl::Time cutoff, absl::Duration timeout) {
+  MutexLock lock(&mu_);
+  if (closed_ || join_.arrived() == 0 || join_started_ > cutoff) return false;
+  FinishJoinLocked(absl::DeadlineExceededError(absl::StrCat(
+      "sequence '", sequence_->id(), "' step ", sequence_->last_step() + 1, ": rank(s) ",
+      absl::StrJoin(join_.MissingRanks(), ", "), " did not report within ",
+      absl::FormatDuration(timeout), "; the step was abandoned and may be sent again")));
+  return true;
+}
+
+void SequenceSlot::AbandonPendingStep(const absl::Status& why) {
+  MutexLock lock(&mu_);
+  if (join_.arrived() > 0) FinishJoinLocked(why);
+}
+
+bool SequenceSlot::IdleSince(absl::Time cutoff) {
+  // A slot whose lock is busy is being stepped right now: not idle. TryLock keeps a long
+  // step from stalling the reclaimer's scan of the registry.
+  if (!mu_.TryLock()) return false;
+  const bool idle = last_active_ <= cutoff;
+  mu_.Unlock();
+  return idle;
+}
+
+}  // namespace kvcm

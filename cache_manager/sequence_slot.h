@@ -1,0 +1,190 @@
+// SequenceSlot: everything the engine holds for one open sequence: its mutex, its
+// `Sequence`, the tensor-parallel join of its pending step, its KV lease, and the ranks
+// waiting for the pending step's decision. `Submit` is the one entry point for a rank's
+// report, whether the sequence has one rank or several.
+//
+// Thread-safe: every method takes the slot's mutex. The step executor runs all reports of
+// one sequence on one thread, so in the daemon that mutex is uncontended on the step path;
+// Inspect, Close and the reclaimer take it from other threads.
+#ifndef KVCM_CACHE_MANAGER_SEQUENCE_SLOT_H_
+#define KVCM_CACHE_MANAGER_SEQUENCE_SLOT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cache_manager/eviction_decision.h"
+#include "cache_manager/fold.h"
+#include "cache_manager/kv_pools.h"
+#include "cache_manager/mutex.h"
+#include "cache_manager/sequence.h"
+#include "cache_manager/tensor_parallel_join.h"
+
+namespace kvcm {
+
+// Receives the decision of a step for one waiting report (tensor-parallel: every rank's),
+// or the error that ended the step. Called exactly once per accepted report, with the
+// slot's lock held (so the decision is passed by reference, not copied, to every rank):
+// an implementation must not block and must not call back into the table.
+class DecisionSink {
+ public:
+  // `decision` is meaningful only when `status` is OK.
+  virtual void OnDecided(int64_t tag, const absl::Status& status,
+                         const EvictionDecision& decision) = 0;
+
+ protected:
+  ~DecisionSink() = default;
+};
+
+// Who to tell: a sink and the caller's tag for this report (its index in a batch).
+struct DecisionWaiter {
+  DecisionSink* sink = nullptr;
+  int64_t tag = 0;
+};
+
+// A daemon-wide cap on bytes held for others: the partial sums of tensor-parallel steps
+// waiting for their other ranks. Thread-safe (lock-free).
+class ByteBudget {
+ public:
+  explicit ByteBudget(int64_t limit) : limit_(limit) {}
+  // Takes `bytes` when they fit under the limit; false (nothing taken) otherwise.
+  bool TryTake(int64_t bytes);
+  void Give(int64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+  int64_t used() const { return used_.load(std::memory_order_relaxed); }
+  int64_t limit() const { return limit_; }
+
+ private:
+  const int64_t limit_;
+  std::atomic<int64_t> used_{0};
+};
+
+// A snapshot of one sequence.
+struct SequenceInfo {
+  std::string id;
+  kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32;
+  int64_t prefill_len = 0;
+  int64_t budget = 0;
+  Policy policy;
+  ScoreLayout score_layout = ScoreLayout::kPerLayer;
+  int64_t layers = 0;         // folded: K
+  FoldWeights fold_weights;   // folded with a score-using aggregation
+  int32_t tp_world_size = 1;
+  int64_t last_step = 0;
+  int64_t cache_size = 0;
+  bool next_needs_scores = false;
+  int32_t ranks_reported = 0;  // for the pending step, tensor-parallel only
+  SequenceStats stats;
+  absl::Time last_active;
+  // Only when asked for: the cached positions (ascending) and their momentum, and with
+  // KV pools each rank's slot of each cached token ([ranks][cache_size]).
+  std::vector<int64_t> positions;
+  std::vector<float> momentum;
+  std::vector<std::vector<int64_t>> kv_slots;
+};
+
+class SequenceSlot {
+ public:
+  // `kv` is the sequence's lease (nullopt without pools); `join_budget` may be null (no
+  // cap) and must outlive the slot.
+  SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
+               kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
+               ByteBudget* join_budget, absl::Time now);
+  ~SequenceSlot();
+
+  SequenceSlot(const SequenceSlot&) = delete;
+  SequenceSlot& operator=(const SequenceSlot&) = delete;
+
+  kernels::ScoreDtype score_dtype() const { return score_dtype_; }
+  int32_t tp_world_size() const { return tp_world_size_; }
+
+  // One rank's report for the sequence's next step. A single-rank sequence accepts
+  // already pooled scores (head_count 0, stepped in place without a copy) or a head sum
+  // with its head count; a tensor-parallel one joins its ranks' reports first (copying
+  // each, under the join budget).
+  // On error the report is rejected and `waiter` is never called; a rejected report of
+  // a tensor-parallel step rejects that step on every rank with the same status (the
+  // ranks already waiting are told now, those still to report are told when they do).
+  // Otherwise the waiter is called once: before Submit returns if this report completes
+  // the step, later otherwise. NOT_FOUND once the slot is closed.
+  absl::Status Submit(const RankReport& report, DecisionWaiter waiter, absl::Time now);
+
+  // One step of a single-rank sequence with already pooled scores (see Sequence::Step).
+  // `decision` is overwritten and its capacity reused. FAILED_PRECONDITION when the
+  // sequence is tensor-parallel.
+  absl::Status Step(int64_t step, const kernels::ScoreMatrix* scores, EvictionDecision* decision,
+                    absl::Time now);
+
+  // A snapshot; `with_cache` adds the cached positions, momentum and KV slots. `touch`
+  // counts it as activity (Inspect) for the idle reclaimer. NOT_FOUND once closed.
+  absl::StatusOr<SequenceInfo> Snapshot(bool with_cache, absl::Time touch);
+  // The snapshot of a closed or open slot without touching it (List, Totals, Close).
+  SequenceInfo Peek() const;
+  int64_t cache_size() const;
+  bool closed() const;
+
+  // Marks the slot closed, abandoning a pending tensor-parallel step: its waiting ranks
+  // get `why` (ABORTED). Returns the last snapshot.
+  SequenceInfo Close(const absl::Status& why);
+
+  // When the pending tensor-parallel step's first report came before `cutoff` and ranks
+  // are still missing, abandons it (DEADLINE_EXCEEDED naming the missing ranks and
+  // `timeout`; the step may be sent again) and returns true.
+  bool AbortJoinStartedBefore(absl::Time cutoff, absl::Duration timeout);
+
+  // Abandons a pending tensor-parallel step, if any: its waiting ranks get `why`.
+  void AbandonPendingStep(const absl::Status& why);
+
+  // Whether nothing has used the slot since `cutoff`. A slot busy right now (its lock
+  // held) is not idle.
+  bool IdleSince(absl::Time cutoff);
+
+ private:
+  // A tensor-parallel step that was rejected: every rank that reports it is told once.
+  struct Rejection {
+    int64_t step = 0;
+    absl::Status status;
+    std::vector<bool> told;  // by rank
+  };
+
+  SequenceInfo SnapshotLocked(bool with_cache) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // One step with the KV slots kept in step (when the sequence has them).
+  absl::Status StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
+                          EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status SubmitToJoinLocked(const RankReport& report, DecisionWaiter waiter, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the pending step: every waiting rank gets `status` (with the slot's decision
+  // when OK); the join is reset.
+  void FinishJoinLocked(const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records that the pending step failed with `status` for every rank but `rank`, and
+  // tells the ranks already waiting.
+  void RejectStepLocked(int64_t step, int32_t rank, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseJoinBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const kernels::ScoreDtype score_dtype_;
+  const int32_t tp_world_size_;
+  ByteBudget* const join_budget_;
+  mutable Mutex mu_;
+  std::unique_ptr<Sequence> sequence_ ABSL_GUARDED_BY(mu_);
+  TensorParallelJoin join_ ABSL_GUARDED_BY(mu_);
+  std::optional<SequenceKv> kv_ ABSL_GUARDED_BY(mu_);
+  std::vector<DecisionWaiter> waiting_ ABSL_GUARDED_BY(mu_);
+  std::optional<Rejection> rejection_ ABSL_GUARDED_BY(mu_);
+  int64_t join_bytes_ ABSL_GUARDED_BY(mu_) = 0;       // taken from join_budget_
+  absl::Time join_started_ ABSL_GUARDED_BY(mu_);      // first report of the pending step
+  EvictionDecision decision_ ABSL_GUARDED_BY(mu_);    // reused by every step
+  absl::Time last_active_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_CACHE_MANAGER_SEQUENCE_SLOT_H_
