@@ -14,4 +14,11 @@ const char* ScoreDtypeName(ScoreDtype dtype) {
   return "unknown";
 }
 
+std::optional<ScoreDtype> ParseScoreDtype(std::string_view name) {
+  for (ScoreDtype dtype : {ScoreDtype::kFloat32, ScoreDtype::kFloat16, ScoreDtype::kBFloat16}) {
+    if (name == ScoreDtypeName(dtype)) return dtype;
+  }
+  return std::nullopt;
+}
+
 }  // namespace kvcm::kernels

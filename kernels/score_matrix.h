@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 namespace kvcm::kernels {
 
@@ -18,7 +20,9 @@ constexpr size_t ScoreDtypeSize(ScoreDtype dtype) {
   return dtype == ScoreDtype::kFloat32 ? 4 : 2;
 }
 
+// "float32", "float16", "bfloat16", and back (nullopt for any other name).
 const char* ScoreDtypeName(ScoreDtype dtype);
+std::optional<ScoreDtype> ParseScoreDtype(std::string_view name);
 
 // A cudaStream_t on the CUDA backend; the CPU reference takes it for signature parity
 // and requires nullptr.

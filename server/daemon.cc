@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <thread>
 #include <exception>
 
 #include "absl/strings/match.h"
@@ -36,7 +38,7 @@ int Millis(absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds
 KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
   return [options](const BlockPoolOptions& pool) -> absl::StatusOr<std::unique_ptr<BlockPool>> {
 #ifdef KVCM_HAS_CUDA
-    if (options.backend == "cuda") return CreateCudaBlockPool(pool, pool.rank);
+    if (options.backend == KvBackend::kCuda) return CreateCudaBlockPool(pool, pool.rank);
 #endif
     HostStorageOptions host;
     if (options.kv_shared_memory) {
@@ -48,18 +50,24 @@ KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
 
 }  // namespace
 
+absl::string_view KvBackendName(KvBackend backend) {
+  return backend == KvBackend::kCuda ? "cuda" : "host";
+}
+
+std::optional<KvBackend> ParseKvBackend(absl::string_view name) {
+  if (name == "host") return KvBackend::kHost;
+  if (name == "cuda") return KvBackend::kCuda;
+  return std::nullopt;
+}
+
 Daemon::Daemon(const ServerOptions& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const BuildInfo& build) {
   std::unique_ptr<Daemon> d(new Daemon(options));
   d->metrics_ = std::make_unique<ServerMetrics>(build);
-  if (options.backend != "host" && options.backend != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend is '", options.backend, "'; it must be host or cuda"));
-  }
 #ifndef KVCM_HAS_CUDA
-  if (options.backend == "cuda") {
+  if (options.backend == KvBackend::kCuda) {
     return absl::InvalidArgumentError("--backend=cuda: this kvcached was built without CUDA");
   }
 #endif
@@ -68,12 +76,28 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                 options.pool_memory_bytes,
                                                 PoolFactory(options)));
   }
-  d->pool_gauges_ = std::make_shared<PoolGauges>(d->pools_.get(), options.backend);
+  d->pool_gauges_ = std::make_shared<PoolGauges>(d->pools_.get(),
+                                                  std::string(KvBackendName(options.backend)));
   SequenceTableOptions table_options;
   table_options.max_sequences = options.max_sequences;
   table_options.max_tp_world_size = options.max_tp_world_size;
   table_options.kv_pools = d->pools_.get();
+  table_options.max_pending_join_bytes = options.max_pending_join_bytes;
   d->table_ = std::make_unique<SequenceTable>(table_options);
+  const int32_t engine_threads =
+      options.engine_threads > 0
+          ? options.engine_threads
+          : std::max<int32_t>(1, static_cast<int32_t>(std::thread::hardware_concurrency()));
+  // Every in-flight batch posts at most one task per engine thread; unary Step calls add
+  // what gRPC lets through concurrently.
+  const int64_t queue_capacity =
+      int64_t{options.max_streams} * options.max_inflight_batches + 4096;
+  d->executor_ = std::make_unique<StepExecutor>(engine_threads, queue_capacity);
+  if (options.allow_shm_scores) {
+    ScoreRegionsOptions regions;
+    regions.max_regions = options.max_score_regions;
+    d->regions_ = std::make_unique<ScoreRegions>(regions);
+  }
   d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());
 
   if (!options.metrics_listen.empty()) {
@@ -94,6 +118,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
 
   d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->pools_.get(),
+                                                 d->executor_.get(), d->regions_.get(),
                                                  d->metrics_.get());
   d->health_ = std::make_unique<HealthService>();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -135,7 +160,17 @@ void Daemon::ReclaimLoop() {
     if (options_.tp_join_timeout > absl::ZeroDuration()) {
       table_->AbortStaleJoins(options_.tp_join_timeout);
     }
+    metrics_->SetStepPathGauges(executor_->QueuedTasks(), regions_ ? regions_->count() : 0,
+                                table_->pending_join_bytes());
     if (options_.idle_timeout <= absl::ZeroDuration()) continue;
+    if (regions_ != nullptr) {
+      const int64_t dropped = regions_->DropIdle(options_.idle_timeout, absl::Now());
+      if (dropped > 0) {
+        std::fprintf(stderr, "kvcached: dropped %lld score region(s) unused for %s\n",
+                     static_cast<long long>(dropped),
+                     absl::FormatDuration(options_.idle_timeout).c_str());
+      }
+    }
     for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
       metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);
       std::fprintf(stderr, "kvcached: reclaimed sequence '%s' after %s idle (step %lld)\n",
@@ -151,13 +186,24 @@ void Daemon::Drain(absl::Duration deadline) {
     if (drained_) return;
     drained_ = true;
   }
-  health_->Shutdown();  // NOT_SERVING, and watchers' calls end
-  metrics_->SetServing(false);
-  service_->StartDraining();
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
-  server_->Wait();
+  if (server_ != nullptr) {  // null when Start failed before serving
+    health_->Shutdown();  // NOT_SERVING, and watchers' calls end
+    metrics_->SetServing(false);
+    service_->StartDraining();
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+    server_->Wait();
+  }
   stop_reclaimer_.Notify();
   if (reclaimer_.joinable()) reclaimer_.join();
+  StopEngine();
+}
+
+void Daemon::StopEngine() {
+  if (executor_ == nullptr) return;
+  executor_.reset();  // runs every task already posted, then joins
+  if (table_ == nullptr) return;
+  table_->AbandonPendingSteps(absl::AbortedError(
+      "kvcached stopped while this tensor-parallel step waited for its other ranks"));
 }
 
 Daemon::~Daemon() {

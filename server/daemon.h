@@ -13,7 +13,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "cache_manager/sequence_table.h"
+#include "cache_manager/step_executor.h"
 #include "server/metrics.h"
+#include "server/score_regions.h"
 #include "server/server_options.h"
 
 namespace grpc {
@@ -52,12 +54,18 @@ class Daemon {
  private:
   explicit Daemon(const ServerOptions& options);
   void ReclaimLoop();
+  // Runs what the engine threads still hold and answers every batch left waiting for
+  // tensor-parallel ranks, so that no stream outlives the service. After the server
+  // has stopped.
+  void StopEngine();
 
   const ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<KvPools> pools_;  // before table_: leases return blocks to it
   std::shared_ptr<PoolGauges> pool_gauges_;
   std::unique_ptr<SequenceTable> table_;
+  std::unique_ptr<StepExecutor> executor_;
+  std::unique_ptr<ScoreRegions> regions_;  // with --allow_shm_scores
   std::shared_ptr<TableGauges> table_gauges_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<KvCacheService> service_;

@@ -33,13 +33,34 @@ class UnaryCall {
 
 }  // namespace
 
+// The unary Step: one PendingBatch per call, freed when the call's reply is out.
+class UnaryStep final : public BatchCompletion {
+ public:
+  UnaryStep(grpc::ServerUnaryReactor* reactor, v1::DecisionBatch* response)
+      : reactor_(reactor), response_(response) {}
+  PendingBatch& batch() { return batch_; }
+  void BatchDone(PendingBatch* batch) override {
+    response_->Swap(&batch->reply());
+    reactor_->Finish(grpc::Status::OK);
+    delete this;
+  }
+
+ private:
+  ~UnaryStep() = default;
+  grpc::ServerUnaryReactor* const reactor_;
+  v1::DecisionBatch* const response_;
+  PendingBatch batch_;
+};
+
 KvCacheService::KvCacheService(const ServerOptions& options, SequenceTable* table,
-                               const KvPools* pools, ServerMetrics* metrics)
+                               const KvPools* pools, StepExecutor* executor,
+                               ScoreRegions* regions, ServerMetrics* metrics)
     : options_(options),
       table_(table),
       pools_(pools),
+      regions_(regions),
       metrics_(metrics),
-      processor_(table, metrics) {}
+      processor_(table, executor, regions, metrics) {}
 
 KvCacheService::~KvCacheService() = default;
 
@@ -106,16 +127,41 @@ grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* cont
   // Requests, per-sequence errors and batch time are recorded by the processor; the call
   // itself cannot fail once the batch parsed.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  processor_.Process(*request, Rpc::kStep, [reactor, response](v1::DecisionBatch reply) {
-    *response = std::move(reply);
-    reactor->Finish(grpc::Status::OK);
-  });
+  auto* call = new UnaryStep(reactor, response);
+  processor_.Process(*request, /*tenant=*/"", Rpc::kStep, &call->batch(), call);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(
+    grpc::CallbackServerContext* context, const v1::RegisterScoreRegionRequest* request,
+    v1::RegisterScoreRegionResponse* response) {
+  UnaryCall call(Rpc::kRegisterScoreRegion, context, metrics_, *request);
+  if (regions_ == nullptr) {
+    return call.Finish(absl::FailedPreconditionError(
+        "kvcached runs without --allow_shm_scores: score regions are off; send scores inline"));
+  }
+  absl::StatusOr<uint64_t> region =
+      regions_->Register(/*tenant=*/"", request->name(), request->byte_size());
+  if (!region.ok()) return call.Finish(region.status());
+  response->set_region(*region);
+  return call.Finish(absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
+    grpc::CallbackServerContext* context, const v1::UnregisterScoreRegionRequest* request,
+    v1::UnregisterScoreRegionResponse* /*response*/) {
+  UnaryCall call(Rpc::kUnregisterScoreRegion, context, metrics_, *request);
+  if (regions_ == nullptr) {
+    return call.Finish(absl::FailedPreconditionError(
+        "kvcached runs without --allow_shm_scores: score regions are off"));
+  }
+  return call.Finish(regions_->Unregister(/*tenant=*/"", request->region()));
 }
 
 grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepStream(
     grpc::CallbackServerContext* /*context*/) {
-  auto* reactor = new StepStreamReactor(this, &processor_, metrics_);
+  auto* reactor = new StepStreamReactor(this, &processor_, metrics_,
+                                        options_.max_inflight_batches, /*tenant=*/"");
   grpc::Status refusal;
   {
     absl::MutexLock lock(&mu_);

@@ -1,8 +1,8 @@
 // KvCacheService: the kvcache.v1.KvCache gRPC service on the callback API. A thin layer:
-// every RPC is decoded, handed to the sequence table (through StepBatchProcessor for
-// steps), and its status and time recorded by one wrapper (RpcCall). StepStream runs one
-// reactor per worker rank. Nothing here blocks: replies that wait for other ranks are
-// written from the thread that completes them.
+// every RPC is decoded, handed to the sequence table (steps through the
+// StepBatchProcessor, which runs them on the engine threads), and its status recorded by
+// one wrapper (UnaryCall). StepStream runs one reactor per worker rank. Nothing here
+// blocks and no engine work runs on a gRPC thread.
 #ifndef KVCM_SERVER_KVCACHE_SERVICE_H_
 #define KVCM_SERVER_KVCACHE_SERVICE_H_
 
@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/metrics.h"
+#include "server/score_regions.h"
 #include "server/server_options.h"
 #include "server/step_batch_processor.h"
 
@@ -24,9 +25,9 @@ class StepStreamReactor;
 
 class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
  public:
-  // `pools` may be null (no KV pools).
+  // `pools` may be null (no KV pools), `regions` too (score regions not allowed).
   KvCacheService(const ServerOptions& options, SequenceTable* table, const KvPools* pools,
-                 ServerMetrics* metrics);
+                 StepExecutor* executor, ScoreRegions* regions, ServerMetrics* metrics);
   ~KvCacheService() override;
 
   grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* context,
@@ -49,6 +50,14 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
   grpc::ServerUnaryReactor* DescribeKvPools(
       grpc::CallbackServerContext* context, const ::kvcache::v1::DescribeKvPoolsRequest* request,
       ::kvcache::v1::DescribeKvPoolsResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterScoreRegion(
+      grpc::CallbackServerContext* context,
+      const ::kvcache::v1::RegisterScoreRegionRequest* request,
+      ::kvcache::v1::RegisterScoreRegionResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterScoreRegion(
+      grpc::CallbackServerContext* context,
+      const ::kvcache::v1::UnregisterScoreRegionRequest* request,
+      ::kvcache::v1::UnregisterScoreRegionResponse* response) override;
 
   // Draining: new streams are refused; open ones keep being answered until their clients
   // close them (or the server's drain deadline cancels them).
@@ -61,6 +70,7 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
   const ServerOptions options_;
   SequenceTable* const table_;
   const KvPools* const pools_;
+  ScoreRegions* const regions_;
   ServerMetrics* const metrics_;
   StepBatchProcessor processor_;
   absl::Mutex mu_;

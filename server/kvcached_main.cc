@@ -47,6 +47,16 @@ ABSL_FLAG(int64_t, kv_heads, 8, "KV geometry: KV heads per rank");
 ABSL_FLAG(int64_t, kv_head_dim, 128, "KV geometry: head dimension");
 ABSL_FLAG(int64_t, kv_tokens_per_block, 16, "KV geometry: token slots per block");
 ABSL_FLAG(std::string, kv_dtype, "float16", "KV geometry: float16, bfloat16 or float32");
+ABSL_FLAG(int32_t, engine_threads, 0,
+          "engine threads; each sequence is pinned to one (0: one per core)");
+ABSL_FLAG(int32_t, max_inflight_batches, 8,
+          "unanswered batches per step stream; past it the stream is not read (back-pressure)");
+ABSL_FLAG(int64_t, max_pending_join_bytes, int64_t{1} << 30,
+          "partial sums held for tensor-parallel steps waiting for ranks, all sequences "
+          "together; a report past it is refused (RESOURCE_EXHAUSTED)");
+ABSL_FLAG(bool, allow_shm_scores, false,
+          "accept shared-memory score regions (RegisterScoreRegion) from workers on this node");
+ABSL_FLAG(int64_t, max_score_regions, 256, "most score regions mapped at once");
 ABSL_FLAG(bool, kv_shared_memory, true,
           "host pools in POSIX shared memory (/kvcached-<pid>-rank<r>) for workers to map");
 
@@ -99,7 +109,14 @@ int main(int argc, char** argv) {
   options.tp_join_timeout = absl::GetFlag(FLAGS_tp_join_timeout);
   options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
   options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
-  options.backend = absl::GetFlag(FLAGS_backend);
+  const std::optional<kvcm::server::KvBackend> backend =
+      kvcm::server::ParseKvBackend(absl::GetFlag(FLAGS_backend));
+  if (!backend) {
+    std::fprintf(stderr, "kvcached: --backend is '%s'; it must be host or cuda\n",
+                 absl::GetFlag(FLAGS_backend).c_str());
+    return 2;
+  }
+  options.backend = *backend;
   options.pool_memory_bytes = absl::GetFlag(FLAGS_pool_memory_bytes);
   options.tp_ranks = absl::GetFlag(FLAGS_tp_ranks);
   options.kv_layout.layers = absl::GetFlag(FLAGS_kv_layers);
@@ -107,6 +124,11 @@ int main(int argc, char** argv) {
   options.kv_layout.head_dim = absl::GetFlag(FLAGS_kv_head_dim);
   options.kv_layout.tokens_per_block = absl::GetFlag(FLAGS_kv_tokens_per_block);
   options.kv_shared_memory = absl::GetFlag(FLAGS_kv_shared_memory);
+  options.engine_threads = absl::GetFlag(FLAGS_engine_threads);
+  options.max_inflight_batches = absl::GetFlag(FLAGS_max_inflight_batches);
+  options.max_pending_join_bytes = absl::GetFlag(FLAGS_max_pending_join_bytes);
+  options.allow_shm_scores = absl::GetFlag(FLAGS_allow_shm_scores);
+  options.max_score_regions = absl::GetFlag(FLAGS_max_score_regions);
   const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   if (kv_dtype == "float16") {
     options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat16;
@@ -116,6 +138,14 @@ int main(int argc, char** argv) {
     options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat32;
   } else {
     std::fprintf(stderr, "kvcached: --kv_dtype must be float16, bfloat16 or float32\n");
+    return 2;
+  }
+  if (options.engine_threads < 0 || options.engine_threads > 1024 ||
+      options.max_inflight_batches < 1 || options.max_inflight_batches > 1024 ||
+      options.max_pending_join_bytes < 0 || options.max_score_regions < 1) {
+    std::fprintf(stderr,
+                 "kvcached: --engine_threads must be 0 to 1024, --max_inflight_batches 1 to "
+                 "1024, --max_pending_join_bytes >= 0, --max_score_regions >= 1\n");
     return 2;
   }
   if (options.max_sequences < 1 || options.max_streams < 1 || options.max_tp_world_size < 1 ||

@@ -11,7 +11,8 @@ namespace {
 
 constexpr absl::string_view kRpcNames[kRpcCount] = {
     "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences",
-    "Step",         "StepStream",    "DescribeKvPools"};
+    "Step",         "StepStream",    "DescribeKvPools", "RegisterScoreRegion",
+    "UnregisterScoreRegion"};
 
 constexpr absl::string_view kCodeNames[17] = {
     "OK",       "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",
@@ -20,8 +21,7 @@ constexpr absl::string_view kCodeNames[17] = {
     "UNIMPLEMENTED", "INTERNAL",        "UNAVAILABLE",       "DATA_LOSS",
     "UNAUTHENTICATED"};
 
-constexpr absl::string_view kAggregationLabels[5] = {"ema", "cumulative", "single_step",
-                                                     "recency", "random"};
+
 
 const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
   static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
@@ -120,7 +120,7 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
     s.closed_idle = &closed.Add({{"policy", label}, {"reason", "idle_timeout"}});
     for (int a = 0; a < 5; ++a) {
       s.steps[static_cast<size_t>(a)] =
-          &steps.Add({{"policy", label}, {"aggregation", std::string(kAggregationLabels[a])}});
+          &steps.Add({{"policy", label}, {"aggregation", std::string(AggregationName(static_cast<Aggregation>(a)))}});
     }
     s.scoring = &scoring.Add({{"policy", label}});
     s.skipped = &skipped.Add({{"policy", label}});
@@ -165,13 +165,30 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
   }
   auto& score_bytes = prometheus::BuildCounter()
                           .Name("kvcache_score_bytes_total")
-                          .Help("Packed score bytes received, by dtype")
+                          .Help("Packed score bytes received, by dtype and transport")
                           .Register(r);
   for (auto dtype : {kernels::ScoreDtype::kFloat32, kernels::ScoreDtype::kFloat16,
                      kernels::ScoreDtype::kBFloat16}) {
-    score_bytes_[static_cast<size_t>(dtype)] =
-        &score_bytes.Add({{"dtype", kernels::ScoreDtypeName(dtype)}});
+    for (int shm = 0; shm < 2; ++shm) {
+      score_bytes_[static_cast<size_t>(shm)][static_cast<size_t>(dtype)] = &score_bytes.Add(
+          {{"dtype", kernels::ScoreDtypeName(dtype)}, {"transport", shm ? "shm" : "grpc"}});
+    }
   }
+  engine_queued_ = &prometheus::BuildGauge()
+                        .Name("kvcache_engine_queued_tasks")
+                        .Help("Batch shares waiting for an engine thread")
+                        .Register(r)
+                        .Add({});
+  score_regions_ = &prometheus::BuildGauge()
+                        .Name("kvcache_score_regions")
+                        .Help("Shared-memory score regions mapped")
+                        .Register(r)
+                        .Add({});
+  pending_join_bytes_ = &prometheus::BuildGauge()
+                             .Name("kvcache_pending_join_bytes")
+                             .Help("Partial sums held by tensor-parallel steps waiting for ranks")
+                             .Register(r)
+                             .Add({});
 }
 
 ServerMetrics::PolicySeries& ServerMetrics::Policy(absl::string_view preset) {
@@ -215,8 +232,18 @@ void ServerMetrics::Request(Rpc rpc, int64_t payload_bytes) {
   if (payload_bytes > 0) s.received_bytes->Increment(static_cast<double>(payload_bytes));
 }
 
-void ServerMetrics::ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes) {
-  if (bytes > 0) score_bytes_[static_cast<size_t>(dtype)]->Increment(static_cast<double>(bytes));
+void ServerMetrics::ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes, bool via_region) {
+  if (bytes > 0) {
+    score_bytes_[via_region ? 1 : 0][static_cast<size_t>(dtype)]->Increment(
+        static_cast<double>(bytes));
+  }
+}
+
+void ServerMetrics::SetStepPathGauges(int64_t engine_queued, int64_t score_regions,
+                                      int64_t pending_join_bytes) {
+  engine_queued_->Set(static_cast<double>(engine_queued));
+  score_regions_->Set(static_cast<double>(score_regions));
+  pending_join_bytes_->Set(static_cast<double>(pending_join_bytes));
 }
 
 void ServerMetrics::Error(Rpc rpc, absl::StatusCode code) {

@@ -36,8 +36,10 @@ enum class Rpc : uint8_t {
   kStep,
   kStepStream,
   kDescribeKvPools,
+  kRegisterScoreRegion,
+  kUnregisterScoreRegion,
 };
-inline constexpr int kRpcCount = 7;
+inline constexpr int kRpcCount = 9;
 absl::string_view RpcName(Rpc rpc);
 
 // "INVALID_ARGUMENT", ... for the `code` label.
@@ -69,7 +71,10 @@ class ServerMetrics {
   void StepDecided(const EvictionDecision& decision, double seconds);
   void BatchDone(Rpc rpc, int64_t sequences, double seconds);
   void Request(Rpc rpc, int64_t payload_bytes);
-  void ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes);
+  // Score bytes of one report, inline or read from a score region.
+  void ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes, bool via_region);
+  // Sampled by the daemon's housekeeping loop.
+  void SetStepPathGauges(int64_t engine_queued, int64_t score_regions, int64_t pending_join_bytes);
   void Error(Rpc rpc, absl::StatusCode code);
   void SetServing(bool serving);
   void StreamOpened();
@@ -103,7 +108,10 @@ class ServerMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::vector<PolicySeries> policies_;  // presets in Policy::PresetNames() order, then custom
   std::array<RpcSeries, kRpcCount> rpcs_;
-  std::array<prometheus::Counter*, 3> score_bytes_;  // by dtype
+  std::array<std::array<prometheus::Counter*, 3>, 2> score_bytes_;  // [grpc, shm][dtype]
+  prometheus::Gauge* engine_queued_;
+  prometheus::Gauge* score_regions_;
+  prometheus::Gauge* pending_join_bytes_;
   prometheus::Gauge* serving_;
   prometheus::Gauge* streams_open_;
 };

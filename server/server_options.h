@@ -4,12 +4,21 @@
 #define KVCM_SERVER_SERVER_OPTIONS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
+
+#include "absl/strings/string_view.h"
 
 #include "absl/time/time.h"
 #include "kernels/kv_compaction.h"
 
 namespace kvcm::server {
+
+// Where the KV pools live.
+enum class KvBackend : uint8_t { kHost, kCuda };
+// "host" / "cuda", and back (nullopt for any other name).
+absl::string_view KvBackendName(KvBackend backend);
+std::optional<KvBackend> ParseKvBackend(absl::string_view name);
 
 struct ServerOptions {
   // gRPC: host:port (port 0 picks a free port) or unix:/path (workers on the same node).
@@ -29,10 +38,20 @@ struct ServerOptions {
   absl::Duration keepalive_timeout = absl::Seconds(10);
   int32_t metrics_threads = 2;
 
+  // The step path. Engine threads (0: one per core); each sequence is pinned to one.
+  int32_t engine_threads = 0;
+  // Unanswered batches per step stream: past it the daemon stops reading that stream.
+  int32_t max_inflight_batches = 8;
+  // Partial sums held by tensor-parallel steps waiting for their other ranks, in total.
+  int64_t max_pending_join_bytes = int64_t{1} << 30;
+  // Shared-memory score regions (RegisterScoreRegion); off unless allowed.
+  bool allow_shm_scores = false;
+  int64_t max_score_regions = 256;
+
   // KV block pools, one per tensor-parallel rank: none when pool_memory_bytes is 0 (the
   // daemon then only decides). "host": host memory, in POSIX shared memory named
   // /kvcached-<pid>-rank<r> when kv_shared_memory; "cuda": device r's memory.
-  std::string backend = "host";
+  KvBackend backend = KvBackend::kHost;
   int32_t tp_ranks = 1;
   int64_t pool_memory_bytes = 0;  // per rank
   kernels::KvBlockLayout kv_layout;

@@ -1,135 +1,180 @@
 #include "server/step_batch_processor.h"
 
-#include <atomic>
-#include <memory>
 #include <utility>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/translate.h"
 
 namespace kvcm::server {
-namespace {
 
-// The reply under construction. `remaining` starts one above the report count: the
-// submitting loop holds that extra share, so the reply cannot go out before every report
-// has at least been submitted.
-struct PendingBatch {
-  absl::Mutex mu;
-  ::kvcache::v1::DecisionBatch reply ABSL_GUARDED_BY(mu);
-  int64_t remaining ABSL_GUARDED_BY(mu) = 0;
-  StepBatchProcessor::ReplyCallback on_reply;
-  absl::Time start;
-  // in_submit[i]: report i is inside SubmitRankReport right now, so a callback for it
-  // comes from the report that completed the step.
-  std::unique_ptr<std::atomic<bool>[]> in_submit;
-  Rpc rpc = Rpc::kStep;
-  ServerMetrics* metrics = nullptr;
-
-  // Marks one share done; the last one sends the reply.
-  void Release() {
-    ::kvcache::v1::DecisionBatch out;
-    {
-      absl::MutexLock lock(&mu);
-      if (--remaining > 0) return;
-      out = std::move(reply);
-    }
-    metrics->BatchDone(rpc, out.decisions_size(), absl::ToDoubleSeconds(absl::Now() - start));
-    std::move(on_reply)(std::move(out));
+void PendingBatch::OnDecided(int64_t tag, const absl::Status& status,
+                             const EvictionDecision& decision) {
+  if (!status.ok()) {
+    Fail(tag, status);
+    return;
   }
+  // Every rank's batch gets the decision; the step is accounted once, by rank 0's.
+  if (request_->rank() == 0) processor_->metrics_->StepDecided(decision, decision.decide_seconds);
+  // Reports of one batch are decided on several engine threads at once, each writing its
+  // own Decision; the container itself was sized in Process and is not touched.
+  ToProto(decision, reply_.mutable_decisions(static_cast<int>(tag)));
+  Release();
+}
 
-  void Fail(int index, const absl::Status& status) {
-    metrics->Error(rpc, status.code());
-    {
-      absl::MutexLock lock(&mu);
-      ::kvcache::v1::Decision& d = *reply.mutable_decisions(index);
-      d.set_code(static_cast<int32_t>(status.code()));
-      d.set_message(std::string(status.message()));
-    }
-    Release();
-  }
+void PendingBatch::Fail(int64_t index, const absl::Status& status) {
+  processor_->metrics_->Error(rpc_, status.code());
+  ::kvcache::v1::Decision& d = *reply_.mutable_decisions(static_cast<int>(index));
+  d.set_code(static_cast<int32_t>(status.code()));
+  d.set_message(std::string(status.message()));
+  Release();
+}
 
-  void Succeed(int index, const EvictionDecision& decision) {
-    {
-      absl::MutexLock lock(&mu);
-      ToProto(decision, reply.mutable_decisions(index));
-    }
-    Release();
-  }
-};
+void PendingBatch::Release() {
+  // acq_rel: the thread that completes the batch sees every other thread's Decision.
+  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  processor_->metrics_->BatchDone(rpc_, reply_.decisions_size(),
+                                  absl::ToDoubleSeconds(absl::Now() - start_));
+  completion_->BatchDone(this);
+}
 
-}  // namespace
+StepBatchProcessor::StepBatchProcessor(SequenceTable* table, StepExecutor* executor,
+                                       const ScoreRegions* regions, ServerMetrics* metrics)
+    : table_(table),
+      executor_(executor),
+      regions_(regions),
+      metrics_(metrics),
+      aligned_(static_cast<size_t>(executor->threads())) {}
 
-void StepBatchProcessor::Process(const ::kvcache::v1::StepBatch& batch, Rpc rpc,
-                                 ReplyCallback on_reply) {
-  auto pending = std::make_shared<PendingBatch>();
-  pending->on_reply = std::move(on_reply);
-  pending->start = absl::Now();
-  pending->rpc = rpc;
-  pending->metrics = metrics_;
-  metrics_->Request(rpc, static_cast<int64_t>(batch.ByteSizeLong()));
-  const int n = batch.reports_size();
-  pending->in_submit = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(n));
-  {
-    absl::MutexLock lock(&pending->mu);
-    pending->reply.set_batch_id(batch.batch_id());
-    pending->remaining = n + 1;
-    for (const auto& report : batch.reports()) {
-      ::kvcache::v1::Decision* d = pending->reply.add_decisions();
-      d->set_sequence_id(report.sequence_id());
-      d->set_step(report.step());
-    }
-  }
+void StepBatchProcessor::Process(const ::kvcache::v1::StepBatch& request,
+                                 absl::string_view tenant, Rpc rpc, PendingBatch* batch,
+                                 BatchCompletion* completion) {
+  PendingBatch& b = *batch;
+  b.processor_ = this;
+  b.completion_ = completion;
+  b.request_ = &request;
+  b.tenant_.assign(tenant.data(), tenant.size());
+  b.rpc_ = rpc;
+  b.start_ = absl::Now();
+  metrics_->Request(rpc, static_cast<int64_t>(request.ByteSizeLong()));
 
-  std::vector<uint32_t> aligned;  // for scores whose bytes are not aligned to their dtype
+  const int n = request.reports_size();
+  const int32_t threads = executor_->threads();
+  ::kvcache::v1::DecisionBatch& reply = b.reply_;
+  reply.Clear();  // keeps the Decision objects of earlier batches for reuse
+  reply.set_batch_id(request.batch_id());
+  b.report_shard_.resize(static_cast<size_t>(n));
+  b.by_shard_.resize(static_cast<size_t>(n));
+  b.shard_begin_.assign(static_cast<size_t>(threads) + 1, 0);
+  b.tasks_.resize(static_cast<size_t>(threads));
+  // A counting sort of the reports by engine thread, keeping report order within each.
   for (int i = 0; i < n; ++i) {
-    const ::kvcache::v1::StepReport& report = batch.reports(i);
-    const std::string& id = report.sequence_id();
-    absl::StatusOr<kernels::ScoreDtype> dtype =
-        report.dtype() == ::kvcache::v1::SCORE_DTYPE_UNSPECIFIED && !report.scores().empty()
-            ? table_->DefaultScoreDtype(id)
-            : FromProto(report.dtype(), kernels::ScoreDtype::kFloat32);
-    if (!dtype.ok()) {
-      pending->Fail(i, absl::Status(dtype.status().code(),
-                                    absl::StrCat("sequence '", id, "' step ", report.step(), ": ",
-                                                 dtype.status().message())));
-      continue;
-    }
-    absl::StatusOr<kernels::ScoreMatrix> scores = ScoresOf(report, *dtype, &aligned);
-    if (!scores.ok()) {
-      pending->Fail(i, scores.status());
-      continue;
-    }
-    metrics_->ScoreBytes(*dtype, static_cast<int64_t>(report.scores().size()));
-    RankReport rank_report;
-    rank_report.rank = batch.rank();
-    rank_report.step = report.step();
-    rank_report.partial_sums = *scores;
-    rank_report.head_count = report.head_count();
-
-    // The report that completes a step sees its callback run inside SubmitRankReport: that
-    // one accounts the step (once, not once per rank) with the engine time it took.
-    pending->in_submit[static_cast<size_t>(i)] = true;
-    const absl::Time submitted = absl::Now();
-    absl::Status status = table_->SubmitRankReport(
-        id, rank_report,
-        [pending, i, submitted, metrics = metrics_](const absl::StatusOr<EvictionDecision>& result) {
-          if (!result.ok()) {
-            pending->Fail(i, result.status());
-            return;
-          }
-          if (pending->in_submit[static_cast<size_t>(i)]) {
-            metrics->StepDecided(*result, absl::ToDoubleSeconds(absl::Now() - submitted));
-          }
-          pending->Succeed(i, *result);
-        });
-    pending->in_submit[static_cast<size_t>(i)] = false;
-    if (!status.ok()) pending->Fail(i, status);
+    const ::kvcache::v1::StepReport& report = request.reports(i);
+    ::kvcache::v1::Decision* d = reply.add_decisions();
+    d->set_sequence_id(report.sequence_id());
+    d->set_step(report.step());
+    const int32_t shard = executor_->ShardOf(report.sequence_id());
+    b.report_shard_[static_cast<size_t>(i)] = shard;
+    ++b.shard_begin_[static_cast<size_t>(shard) + 1];
   }
-  pending->Release();
+  for (int32_t s = 0; s < threads; ++s) {
+    b.shard_begin_[static_cast<size_t>(s) + 1] += b.shard_begin_[static_cast<size_t>(s)];
+  }
+  b.next_.assign(b.shard_begin_.begin(), b.shard_begin_.end() - 1);
+  for (int i = 0; i < n; ++i) {
+    const int32_t shard = b.report_shard_[static_cast<size_t>(i)];
+    b.by_shard_[static_cast<size_t>(b.next_[static_cast<size_t>(shard)]++)] = i;
+  }
+  b.remaining_.store(n + 1, std::memory_order_relaxed);  // one share held until all posted
+  for (int32_t s = 0; s < threads; ++s) {
+    const int32_t begin = b.shard_begin_[static_cast<size_t>(s)];
+    const int32_t end = b.shard_begin_[static_cast<size_t>(s) + 1];
+    if (begin == end) continue;
+    b.tasks_[static_cast<size_t>(s)].batch = &b;
+    if (!executor_->Post(s, {&StepBatchProcessor::RunShard, &b.tasks_[static_cast<size_t>(s)]})) {
+      for (int32_t k = begin; k < end; ++k) {
+        const int32_t i = b.by_shard_[static_cast<size_t>(k)];
+        b.Fail(i, absl::ResourceExhaustedError(absl::StrCat(
+                      "sequence '", request.reports(i).sequence_id(), "' step ",
+                      request.reports(i).step(),
+                      ": the engine's queue is full (or kvcached is stopping); retry")));
+      }
+    }
+  }
+  b.Release();
+}
+
+void StepBatchProcessor::RunShard(void* task, int32_t shard) {
+  PendingBatch& b = *static_cast<PendingBatch::ShardTask*>(task)->batch;
+  StepBatchProcessor& self = *b.processor_;
+  const int32_t begin = b.shard_begin_[static_cast<size_t>(shard)];
+  const int32_t end = b.shard_begin_[static_cast<size_t>(shard) + 1];
+  // Only the last Submit can complete the batch (the later reports of this shard are
+  // still undecided before it), and nothing here touches the batch after it: from then on
+  // its owner may reuse it.
+  for (int32_t k = begin; k < end; ++k) {
+    self.Submit(b, b.by_shard_[static_cast<size_t>(k)], shard);
+  }
+}
+
+void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
+  const ::kvcache::v1::StepReport& report = b.request_->reports(index);
+  const std::string& id = report.sequence_id();
+  const auto fail = [&](const absl::Status& status) {
+    b.Fail(index, absl::Status(status.code(),
+                               absl::StrCat("sequence '", id, "' step ", report.step(), ": ",
+                                            status.message())));
+  };
+  const bool by_reference = report.has_score_ref();
+  absl::string_view bytes = report.scores();
+  ScoreRegions::View region;  // pins the region's mapping while the engine reads it
+  if (by_reference) {
+    if (regions_ == nullptr) {
+      fail(absl::FailedPreconditionError(
+          "the report names a score region, and this kvcached runs without "
+          "--allow_shm_scores; send the scores inline"));
+      return;
+    }
+    const ::kvcache::v1::ScoreRef& ref = report.score_ref();
+    absl::StatusOr<ScoreRegions::View> view =
+        regions_->Resolve(b.tenant_, {ref.region(), ref.offset(), ref.byte_size()});
+    if (!view.ok()) {
+      fail(view.status());
+      return;
+    }
+    region = *std::move(view);
+    bytes = absl::string_view(reinterpret_cast<const char*>(region.data), region.size);
+  }
+  absl::StatusOr<kernels::ScoreDtype> dtype =
+      report.dtype() == ::kvcache::v1::SCORE_DTYPE_UNSPECIFIED && !bytes.empty()
+          ? table_->DefaultScoreDtype(id)
+          : FromProto(report.dtype(), kernels::ScoreDtype::kFloat32);
+  if (!dtype.ok()) {
+    fail(dtype.status());
+    return;
+  }
+  if (by_reference && report.score_ref().offset() % kernels::ScoreDtypeSize(*dtype) != 0) {
+    const ::kvcache::v1::ScoreRef& ref = report.score_ref();
+    fail(absl::InvalidArgumentError(absl::StrCat(
+        "score region ", ref.region(), " offset ", ref.offset(), " byte_size ", ref.byte_size(),
+        ": the offset is not a multiple of ", kernels::ScoreDtypeSize(*dtype), " (",
+        kernels::ScoreDtypeName(*dtype), ")")));
+    return;
+  }
+  absl::StatusOr<kernels::ScoreMatrix> scores =
+      ScoresOf(report, bytes, *dtype, &aligned_[static_cast<size_t>(shard)]);
+  if (!scores.ok()) {
+    b.Fail(index, scores.status());
+    return;
+  }
+  metrics_->ScoreBytes(*dtype, static_cast<int64_t>(bytes.size()), by_reference);
+  RankReport rank_report;
+  rank_report.rank = b.request_->rank();
+  rank_report.step = report.step();
+  rank_report.partial_sums = *scores;
+  rank_report.head_count = report.head_count();
+  absl::Status status = table_->SubmitRankReport(id, rank_report, DecisionWaiter{&b, index});
+  if (!status.ok()) b.Fail(index, status);
 }
 
 }  // namespace kvcm::server

@@ -7,10 +7,15 @@
 namespace kvcm::server {
 
 StepStreamReactor::StepStreamReactor(KvCacheService* service, StepBatchProcessor* processor,
-                                     ServerMetrics* metrics)
-    : service_(service), processor_(processor), metrics_(metrics), link_(std::make_shared<Link>()) {
-  absl::MutexLock lock(&link_->mu);
-  link_->reactor = this;
+                                     ServerMetrics* metrics, int32_t max_inflight,
+                                     std::string tenant)
+    : service_(service),
+      processor_(processor),
+      metrics_(metrics),
+      max_inflight_(max_inflight),
+      tenant_(std::move(tenant)) {
+  slots_.reserve(static_cast<size_t>(max_inflight));
+  for (int32_t i = 0; i < max_inflight; ++i) slots_.push_back(std::make_unique<Slot>());
 }
 
 void StepStreamReactor::Start(const grpc::Status& refusal) {
@@ -24,7 +29,26 @@ void StepStreamReactor::Start(const grpc::Status& refusal) {
   }
   accepted_ = true;
   metrics_->StreamOpened();
-  StartRead(&request_);
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
+  }
+  StartRead(&SlotAt(0).request);
+}
+
+const ::kvcache::v1::DecisionBatch* StepStreamReactor::TakeWriteLocked() {
+  if (writing_ || finished_ || cancelled_ || written_seq_ == read_seq_) return nullptr;
+  Slot& oldest = SlotAt(written_seq_);
+  if (!oldest.decided) return nullptr;
+  writing_ = true;
+  return &oldest.batch.reply();
+}
+
+bool StepStreamReactor::TakeReadLocked() {
+  if (reading_ || reads_done_ || finished_ || cancelled_) return false;
+  if (read_seq_ - written_seq_ >= max_inflight_) return false;  // back-pressure
+  reading_ = true;
+  return true;
 }
 
 std::optional<grpc::Status> StepStreamReactor::TakeFinishLocked() {
@@ -33,8 +57,7 @@ std::optional<grpc::Status> StepStreamReactor::TakeFinishLocked() {
     finished_ = true;
     return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
   }
-  if (in_flight_ > 0) return std::nullopt;  // answer what was asked first
-  if (reads_done_) {
+  if (reads_done_ && written_seq_ == read_seq_) {  // every batch answered
     finished_ = true;
     return grpc::Status::OK;
   }
@@ -43,65 +66,74 @@ std::optional<grpc::Status> StepStreamReactor::TakeFinishLocked() {
 
 void StepStreamReactor::OnReadDone(bool ok) {
   std::optional<grpc::Status> finish;
-  if (!ok) {  // the client half-closed, or the call ended
-    {
-      absl::MutexLock lock(&mu_);
+  Slot* slot = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!ok) {  // the client half-closed, or the call ended
       reads_done_ = true;
       finish = TakeFinishLocked();
+    } else {
+      slot = &SlotAt(read_seq_++);
+      slot->decided = false;
+      ++in_engine_;
     }
+  }
+  if (slot == nullptr) {
     if (finish) Finish(*finish);
     return;
   }
+  // BatchDone may run inside (single-rank batches decided at once) or on an engine thread.
+  processor_->Process(slot->request, tenant_, Rpc::kStepStream, &slot->batch, this);
+  ::kvcache::v1::StepBatch* next = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    ++in_flight_;
+    if (TakeReadLocked()) next = &SlotAt(read_seq_).request;
   }
-  // The reply may come back inside Process (single-rank sequences) or later from the
-  // thread of another rank's report; either way through the link.
-  processor_->Process(request_, Rpc::kStepStream,
-                      [link = link_](::kvcache::v1::DecisionBatch reply) {
-                        absl::MutexLock lock(&link->mu);
-                        if (link->reactor != nullptr) link->reactor->Deliver(std::move(reply));
-                      });
-  bool read_more;
-  {
-    absl::MutexLock lock(&mu_);
-    read_more = !finished_;
-  }
-  if (read_more) StartRead(&request_);
+  if (next != nullptr) StartRead(next);
 }
 
-void StepStreamReactor::Deliver(::kvcache::v1::DecisionBatch reply) {
+void StepStreamReactor::BatchDone(PendingBatch* batch) {
   const ::kvcache::v1::DecisionBatch* to_write = nullptr;
+  std::optional<grpc::Status> finish;
+  bool delete_now = false;
   {
     absl::MutexLock lock(&mu_);
-    --in_flight_;
-    if (finished_ || cancelled_) return;  // nobody to answer any more
-    writes_.push_back(std::move(reply));
-    if (!writing_) {
-      writing_ = true;
-      to_write = &writes_.front();  // deque elements stay put while others are appended
+    for (auto& slot : slots_) {
+      if (&slot->batch == batch) slot->decided = true;
     }
+    --in_engine_;
+    to_write = TakeWriteLocked();
+    if (to_write == nullptr) finish = TakeFinishLocked();
+    delete_now = done_ && in_engine_ == 0;
+  }
+  if (delete_now) {
+    delete this;
+    return;
   }
   if (to_write != nullptr) StartWrite(to_write);
+  if (finish) Finish(*finish);
 }
 
 void StepStreamReactor::OnWriteDone(bool ok) {
   const ::kvcache::v1::DecisionBatch* to_write = nullptr;
+  ::kvcache::v1::StepBatch* next_read = nullptr;
   std::optional<grpc::Status> finish;
   {
     absl::MutexLock lock(&mu_);
-    writes_.pop_front();
-    if (!ok) cancelled_ = true;  // the stream broke: the client is gone
-    if (ok && !writes_.empty()) {
-      to_write = &writes_.front();
+    writing_ = false;
+    if (ok) {
+      SlotAt(written_seq_).decided = false;
+      ++written_seq_;  // that slot is free again
     } else {
-      writes_.clear();
-      writing_ = false;
-      finish = TakeFinishLocked();
+      cancelled_ = true;  // the stream broke: the client is gone
     }
+    to_write = TakeWriteLocked();
+    if (TakeReadLocked()) next_read = &SlotAt(read_seq_).request;
+    if (to_write == nullptr) finish = TakeFinishLocked();
   }
   if (to_write != nullptr) StartWrite(to_write);
+  if (next_read != nullptr) StartRead(next_read);
   if (finish) Finish(*finish);
 }
 
@@ -116,13 +148,15 @@ void StepStreamReactor::OnCancel() {
 }
 
 void StepStreamReactor::OnDone() {
-  {
-    absl::MutexLock lock(&link_->mu);
-    link_->reactor = nullptr;
-  }
   if (accepted_) metrics_->StreamClosed();
   service_->StreamDone();
-  delete this;
+  bool delete_now;
+  {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+    delete_now = in_engine_ == 0;
+  }
+  if (delete_now) delete this;
 }
 
 }  // namespace kvcm::server

@@ -1,17 +1,21 @@
-// StepStreamReactor: one StepStream call, i.e. one worker rank. Reads StepBatches one after
-// another, hands each to the StepBatchProcessor, and writes each DecisionBatch when it is
-// complete (in completion order; the client matches them by batch_id).
+// StepStreamReactor: one StepStream call, i.e. one worker rank. Reads StepBatches into a
+// fixed ring of `max_inflight` batch slots, hands each to the StepBatchProcessor, and
+// writes each DecisionBatch in the order the batches were read (the client still matches
+// them by batch_id). With every slot busy (batches in the engine, or replies the client
+// has not read yet) it stops reading: HTTP/2 flow control then holds the client back, and
+// the daemon buffers nothing more for this stream.
 //
-// Lifetime: replies for tensor-parallel steps may complete after the client went away.
-// They reach the reactor through `Link`, a shared object the reactor detaches from in
-// OnDone; a late reply then finds no reactor and is dropped. Lock order: Link::mu, then
-// StepStreamReactor::mu_.
+// Lifetime: a batch of a tensor-parallel step may stay in the engine after the call has
+// ended (until its other ranks report, the join times out, or the sequence closes). The
+// reactor then outlives OnDone and deletes itself when its last batch comes back.
 #ifndef KVCM_SERVER_STEP_STREAM_REACTOR_H_
 #define KVCM_SERVER_STEP_STREAM_REACTOR_H_
 
-#include <deque>
+#include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -24,11 +28,12 @@ namespace kvcm::server {
 
 class KvCacheService;
 
-class StepStreamReactor
-    : public grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch> {
+class StepStreamReactor final
+    : public grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch>,
+      public BatchCompletion {
  public:
   StepStreamReactor(KvCacheService* service, StepBatchProcessor* processor,
-                    ServerMetrics* metrics);
+                    ServerMetrics* metrics, int32_t max_inflight, std::string tenant);
 
   // Starts reading, or ends the call at once with `refusal` when it is not OK.
   void Start(const grpc::Status& refusal);
@@ -37,32 +42,46 @@ class StepStreamReactor
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
+  void BatchDone(PendingBatch* batch) override;
 
  private:
-  struct Link {
-    absl::Mutex mu;
-    StepStreamReactor* reactor ABSL_GUARDED_BY(mu);
+  struct Slot {
+    ::kvcache::v1::StepBatch request;
+    PendingBatch batch;
+    bool decided = false;  // BatchDone came; the reply may be written
   };
 
-  void Deliver(::kvcache::v1::DecisionBatch reply);
-  // When the call should end now, marks it finished and returns the status to finish with
-  // (the caller calls Finish after unlocking).
+  ~StepStreamReactor() override = default;
+
+  Slot& SlotAt(int64_t sequence) { return *slots_[static_cast<size_t>(sequence % max_inflight_)]; }
+  // Starts the next write when none is in flight and the oldest batch is decided.
+  // Returns the reply to write (the caller calls StartWrite after unlocking), or null.
+  const ::kvcache::v1::DecisionBatch* TakeWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether to start the next read now (a slot is free and reading is not over).
+  bool TakeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When the call should end now, marks it finished and returns the status to finish with.
   std::optional<grpc::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After OnDone: deletes the reactor once no batch is in the engine.
+  void MaybeDeleteLocked(bool* delete_now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   KvCacheService* const service_;
   StepBatchProcessor* const processor_;
   ServerMetrics* const metrics_;
-  const std::shared_ptr<Link> link_;
+  const int32_t max_inflight_;
+  const std::string tenant_;
+  std::vector<std::unique_ptr<Slot>> slots_;  // a ring, by read sequence number
 
-  ::kvcache::v1::StepBatch request_;  // owned by the pending read
   absl::Mutex mu_;
-  std::deque<::kvcache::v1::DecisionBatch> writes_ ABSL_GUARDED_BY(mu_);  // front is in flight
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // batches read and not yet answered
+  int64_t read_seq_ ABSL_GUARDED_BY(mu_) = 0;     // batches read so far (next slot to fill)
+  int64_t written_seq_ ABSL_GUARDED_BY(mu_) = 0;  // replies fully written (oldest busy slot)
+  int64_t in_engine_ ABSL_GUARDED_BY(mu_) = 0;    // batches read, BatchDone not yet called
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;     // a read is in flight
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;     // a write is in flight
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  bool accepted_ = false;  // counted in kvcache_streams_open
+  bool done_ ABSL_GUARDED_BY(mu_) = false;        // OnDone ran
+  bool accepted_ = false;                         // counted in kvcache_streams_open
 };
 
 }  // namespace kvcm::server

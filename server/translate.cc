@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvcache/v1/wire_dtype.h"
 
 namespace kvcm::server {
 namespace {
@@ -75,32 +76,13 @@ v1::Refresh ToProto(Refresh r) {
 
 absl::StatusOr<kernels::ScoreDtype> FromProto(v1::ScoreDtype dtype,
                                               kernels::ScoreDtype fallback) {
-  switch (dtype) {
-    case v1::SCORE_DTYPE_UNSPECIFIED:
-      return fallback;
-    case v1::SCORE_DTYPE_FLOAT32:
-      return kernels::ScoreDtype::kFloat32;
-    case v1::SCORE_DTYPE_FLOAT16:
-      return kernels::ScoreDtype::kFloat16;
-    case v1::SCORE_DTYPE_BFLOAT16:
-      return kernels::ScoreDtype::kBFloat16;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown score dtype ", dtype, " (expected float32, float16 or bfloat16)"));
-  }
+  if (dtype == v1::SCORE_DTYPE_UNSPECIFIED) return fallback;
+  if (std::optional<kernels::ScoreDtype> known = wire::FromProto(dtype)) return *known;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown score dtype ", dtype, " (expected float32, float16 or bfloat16)"));
 }
 
-v1::ScoreDtype ToProto(kernels::ScoreDtype dtype) {
-  switch (dtype) {
-    case kernels::ScoreDtype::kFloat32:
-      return v1::SCORE_DTYPE_FLOAT32;
-    case kernels::ScoreDtype::kFloat16:
-      return v1::SCORE_DTYPE_FLOAT16;
-    case kernels::ScoreDtype::kBFloat16:
-      return v1::SCORE_DTYPE_BFLOAT16;
-  }
-  return v1::SCORE_DTYPE_UNSPECIFIED;
-}
+v1::ScoreDtype ToProto(kernels::ScoreDtype dtype) { return wire::ToProto(dtype); }
 
 absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
   OpenParams params;
@@ -145,6 +127,20 @@ absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
     params.options.policy.protect_recent = p.protect_recent();
   }
   params.options.policy.seed = p.seed();
+  switch (request.score_layout()) {
+    case v1::SCORE_LAYOUT_UNSPECIFIED:
+    case v1::SCORE_LAYOUT_PER_LAYER:
+      params.options.score_layout = ScoreLayout::kPerLayer;
+      break;
+    case v1::SCORE_LAYOUT_FOLDED:
+      params.options.score_layout = ScoreLayout::kFolded;
+      break;
+    default:
+      return context(absl::InvalidArgumentError(
+          absl::StrCat("unknown score_layout ", request.score_layout(),
+                       " (expected PER_LAYER or FOLDED)")));
+  }
+  params.options.layers = request.layers();
   params.tp_world_size = request.tp_world_size() == 0 ? 1 : request.tp_world_size();
   absl::StatusOr<kernels::ScoreDtype> dtype =
       FromProto(request.score_dtype(), kernels::ScoreDtype::kFloat32);
@@ -185,6 +181,15 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out) {
   out->set_ranks_reported(info.ranks_reported);
   ToProto(info.stats, out->mutable_stats());
   out->set_idle_seconds(absl::ToDoubleSeconds(now - info.last_active));
+  out->set_score_layout(info.score_layout == ScoreLayout::kFolded ? v1::SCORE_LAYOUT_FOLDED
+                                                                   : v1::SCORE_LAYOUT_PER_LAYER);
+  out->set_layers(static_cast<int32_t>(info.layers));
+  if (!info.fold_weights.layer_weights.empty()) {
+    v1::FoldWeights* fold = out->mutable_fold_weights();
+    fold->mutable_layer_weights()->Add(info.fold_weights.layer_weights.begin(),
+                                       info.fold_weights.layer_weights.end());
+    fold->set_decay(info.fold_weights.decay);
+  }
   out->mutable_positions()->Add(info.positions.begin(), info.positions.end());
   out->mutable_momentum()->Add(info.momentum.begin(), info.momentum.end());
   for (size_t r = 0; r < info.kv_slots.size(); ++r) {
@@ -210,12 +215,12 @@ void ToProto(const EvictionDecision& decision, v1::Decision* out) {
   }
 }
 
-void ToProto(const BlockPool& pool, absl::string_view backend, v1::KvPool* out) {
+void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
   const kernels::KvBlockLayout& layout = pool.layout();
   const BlockPoolUsage usage = pool.Usage();
   const MemoryExport& memory = pool.memory_export();
   out->set_rank(pool.rank());
-  out->set_backend(backend == "cuda" ? v1::KV_BACKEND_CUDA : v1::KV_BACKEND_HOST);
+  out->set_backend(backend == KvBackend::kCuda ? v1::KV_BACKEND_CUDA : v1::KV_BACKEND_HOST);
   out->set_tokens_per_block(layout.tokens_per_block);
   out->set_layers(layout.layers);
   out->set_kv_heads(layout.kv_heads);
@@ -233,9 +238,8 @@ void ToProto(const BlockPool& pool, absl::string_view backend, v1::KvPool* out) 
 }
 
 absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,
-                                              kernels::ScoreDtype dtype,
+                                              absl::string_view bytes, kernels::ScoreDtype dtype,
                                               std::vector<uint32_t>* aligned) {
-  const std::string& bytes = report.scores();
   const auto where = [&] {
     return absl::StrCat("sequence '", report.sequence_id(), "' step ", report.step(), ": ");
   };

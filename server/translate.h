@@ -16,6 +16,7 @@
 #include "grpcpp/support/status.h"
 #include "kernels/score_matrix.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "server/server_options.h"
 
 namespace kvcm::server {
 
@@ -41,13 +42,14 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out);
 // A successful step's decision into `out` (its sequence_id and step already set).
 void ToProto(const EvictionDecision& decision, v1::Decision* out);
 // One pool's description for DescribeKvPools.
-void ToProto(const BlockPool& pool, absl::string_view backend, v1::KvPool* out);
+void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out);
 
-// Views a report's packed scores as a [layers, tokens] matrix of `dtype` without copying
-// when the bytes are suitably aligned (into `aligned` otherwise). Empty scores give a
-// matrix with layers == 0. Errors name the sequence and step.
+// Views a report's packed scores, `bytes` (its inline bytes or the range of a score
+// region it names), as a [layers, tokens] matrix of `dtype` without copying when the
+// bytes are suitably aligned (into `aligned` otherwise). Empty scores give a matrix with
+// layers == 0. Errors name the sequence and step.
 absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,
-                                              kernels::ScoreDtype dtype,
+                                              absl::string_view bytes, kernels::ScoreDtype dtype,
                                               std::vector<uint32_t>* aligned);
 
 grpc::Status ToGrpc(const absl::Status& status);

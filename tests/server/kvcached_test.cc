@@ -225,8 +225,8 @@ TEST_F(KvcachedTest, UnaryStepAndHalfPrecisionScores) {
     cache = reply->decisions(0).cache_size();
   }
   const std::string metrics = Metrics();
-  EXPECT_GT(MetricValue(metrics, R"(kvcache_score_bytes_total{dtype="float16"})"), 0);
-  EXPECT_GT(MetricValue(metrics, R"(kvcache_score_bytes_total{dtype="bfloat16"})"), 0);
+  EXPECT_GT(MetricValue(metrics, R"(kvcache_score_bytes_total{dtype="float16",transport="grpc"})"), 0);
+  EXPECT_GT(MetricValue(metrics, R"(kvcache_score_bytes_total{dtype="bfloat16",transport="grpc"})"), 0);
 }
 
 TEST_F(KvcachedTest, ABadReportFailsOnlyItsOwnDecision) {
