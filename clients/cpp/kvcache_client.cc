@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvcache/v1/wire_dtype.h"
 #include "kernels/half_float.h"
 
 namespace kvcm::client {
@@ -217,16 +218,6 @@ void SetScores(v1::StepReport* report, std::span<const float> scores, int32_t la
   }
 }
 
-v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype) {
-  switch (dtype) {
-    case kernels::ScoreDtype::kFloat32:
-      return v1::SCORE_DTYPE_FLOAT32;
-    case kernels::ScoreDtype::kFloat16:
-      return v1::SCORE_DTYPE_FLOAT16;
-    case kernels::ScoreDtype::kBFloat16:
-      return v1::SCORE_DTYPE_BFLOAT16;
-  }
-  return v1::SCORE_DTYPE_UNSPECIFIED;
-}
+v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype) { return wire::ToProto(dtype); }
 
 }  // namespace kvcm::client

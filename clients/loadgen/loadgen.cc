@@ -11,9 +11,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "cache_manager/budget.h"
+#include "cache_manager/fold.h"
 #include "cache_manager/sequence_table.h"
 #include "cache_manager/status_macros.h"
 #include "clients/cpp/kvcache_client.h"
+#include "clients/cpp/score_region.h"
 
 namespace kvcm::loadgen {
 namespace {
@@ -39,11 +41,26 @@ std::string Encode(const std::vector<float>& scores, int32_t layers, kernels::Sc
   return report.scores();
 }
 
+SequenceOptions EngineOptions(const LoadOptions& o) {
+  SequenceOptions so;
+  so.prefill_len = o.context;
+  so.budget.budget_tokens = o.budget_tokens;
+  if (!o.budget_tokens) so.budget.compression_ratio = o.compression_ratio;
+  so.preset = o.policy;
+  if (o.folded) {
+    so.score_layout = ScoreLayout::kFolded;
+    so.layers = o.layers;
+  }
+  return so;
+}
+
 // The inputs both runs share: the budget and the packed scores of the first step (the
-// whole prefill plus one) and of every steady step (the budget plus one).
+// whole prefill plus one) and of every steady step (the budget plus one); folded, one
+// row each, the layer rows folded with the policy's weights.
 struct Inputs {
   int64_t budget = 0;
   int64_t steady_tokens = 0;
+  int32_t rows = 0;  // rows per scoring step: layers, or 1 folded
   std::string first;
   std::string steady;
 };
@@ -55,8 +72,27 @@ absl::StatusOr<Inputs> MakeInputs(const LoadOptions& o) {
   if (!o.budget_tokens) spec.compression_ratio = o.compression_ratio;
   ASSIGN_OR_RETURN(in.budget, ResolveBudget(o.context, spec));
   in.steady_tokens = std::min(o.context, in.budget) + 1;
-  in.first = Encode(SyntheticScores(o.layers, o.context + 1, o.seed), o.layers, o.dtype);
-  in.steady = Encode(SyntheticScores(o.layers, in.steady_tokens, o.seed + 1), o.layers, o.dtype);
+  std::vector<float> first = SyntheticScores(o.layers, o.context + 1, o.seed);
+  std::vector<float> steady = SyntheticScores(o.layers, in.steady_tokens, o.seed + 1);
+  in.rows = o.layers;
+  if (o.folded) {
+    ASSIGN_OR_RETURN(const Policy policy, Sequence::ResolvePolicy(EngineOptions(o)));
+    ASSIGN_OR_RETURN(const FoldWeights weights, FoldWeightsFor(policy, o.layers));
+    const auto fold = [&](const std::vector<float>& rows, int64_t tokens) {
+      std::vector<float> row(static_cast<size_t>(tokens));
+      if (!weights.layer_weights.empty()) {
+        FoldRows(kernels::ScoreMatrix::Dense(rows.data(), kernels::ScoreDtype::kFloat32,
+                                             o.layers, tokens),
+                 weights, row.data());
+      }
+      return row;
+    };
+    first = fold(first, o.context + 1);
+    steady = fold(steady, in.steady_tokens);
+    in.rows = 1;
+  }
+  in.first = Encode(first, in.rows, o.dtype);
+  in.steady = Encode(steady, in.rows, o.dtype);
   return in;
 }
 
@@ -90,15 +126,27 @@ class DaemonRunner : public BatchRunner {
       }
       r.mutable_policy()->set_preset(o_.policy);
       r.set_score_dtype(client::ToProtoDtype(o_.dtype));
+      if (o_.folded) {
+        r.set_score_layout(v1::SCORE_LAYOUT_FOLDED);
+        r.set_layers(o_.layers);
+      }
       RETURN_IF_ERROR(client_->Open(r).status());
       client::AddReport(&batch_, id, 0);
     }
     parked_.assign(ids.size(), std::string());
+    if (o_.transport == "shm") {
+      // One range per sequence, sized for the steady step; the scores are written once
+      // (as the grpc transport packs them into the request once) and referenced after.
+      stride_ = client::NextScoreOffset(0, static_cast<int64_t>(in_.steady.size()));
+      ASSIGN_OR_RETURN(region_, client::ScoreRegion::Create(
+                                    *client_, stride_ * static_cast<int64_t>(ids.size())));
+    }
     ASSIGN_OR_RETURN(stream_, client_->OpenStepStream());
     return absl::OkStatus();
   }
 
   absl::StatusOr<int64_t> Step(int64_t step, std::vector<bool>& needs, int64_t* evicted) override {
+    if (region_ != nullptr && step >= 2) return StepShm(step, needs, evicted);
     batch_.set_batch_id(static_cast<uint64_t>(step));
     for (size_t i = 0; i < ids_.size(); ++i) {
       v1::StepReport* report = batch_.mutable_reports(static_cast<int>(i));
@@ -110,8 +158,34 @@ class DaemonRunner : public BatchRunner {
       }
       // A step that needs no scores parks them aside (a swap, no copy).
       if (report->scores().empty() == needs[i]) report->mutable_scores()->swap(parked_[i]);
-      report->set_layers(needs[i] ? o_.layers : 0);
+      report->set_layers(needs[i] ? in_.rows : 0);
     }
+    return SendAndRead(needs, evicted);
+  }
+
+  // A steady step over the score region: each report references its sequence's range,
+  // which holds the steady scores from step 2 on.
+  absl::StatusOr<int64_t> StepShm(int64_t step, std::vector<bool>& needs, int64_t* evicted) {
+    batch_.set_batch_id(static_cast<uint64_t>(step));
+    const auto packed = std::as_bytes(std::span(in_.steady.data(), in_.steady.size()));
+    for (size_t i = 0; i < ids_.size(); ++i) {
+      v1::StepReport* report = batch_.mutable_reports(static_cast<int>(i));
+      report->set_step(step);
+      const int64_t offset = stride_ * static_cast<int64_t>(i);
+      if (!needs[i]) {
+        report->clear_score_source();
+        report->set_layers(0);
+      } else if (step == 2) {
+        RETURN_IF_ERROR(region_->Put(report, offset, packed, in_.rows, o_.dtype));
+      } else {
+        region_->Reference(report, offset, static_cast<int64_t>(packed.size()), in_.rows,
+                           o_.dtype);
+      }
+    }
+    return SendAndRead(needs, evicted);
+  }
+
+  absl::StatusOr<int64_t> SendAndRead(std::vector<bool>& needs, int64_t* evicted) {
     const auto bytes = static_cast<int64_t>(batch_.ByteSizeLong());
     ASSIGN_OR_RETURN(v1::DecisionBatch reply, stream_->Step(batch_));
     for (size_t i = 0; i < ids_.size(); ++i) {
@@ -125,6 +199,7 @@ class DaemonRunner : public BatchRunner {
 
   absl::Status Close() override {
     RETURN_IF_ERROR(stream_->Close());
+    region_.reset();
     for (const std::string& id : ids_) RETURN_IF_ERROR(client_->Close(id).status());
     return absl::OkStatus();
   }
@@ -133,6 +208,8 @@ class DaemonRunner : public BatchRunner {
   const LoadOptions& o_;
   const Inputs& in_;
   client::KvCacheClient* const client_;
+  std::unique_ptr<client::ScoreRegion> region_;  // transport shm
+  int64_t stride_ = 0;                           // bytes between two sequences' ranges
   std::vector<std::string> ids_;
   std::unique_ptr<client::StepStream> stream_;
   v1::StepBatch batch_;
@@ -146,11 +223,7 @@ class EmbeddedRunner : public BatchRunner {
 
   absl::Status Open(const std::vector<std::string>& ids) override {
     ids_ = ids;
-    SequenceOptions so;
-    so.prefill_len = o_.context;
-    so.budget.budget_tokens = o_.budget_tokens;
-    if (!o_.budget_tokens) so.budget.compression_ratio = o_.compression_ratio;
-    so.preset = o_.policy;
+    const SequenceOptions so = EngineOptions(o_);
     for (const std::string& id : ids) RETURN_IF_ERROR(table_->Open(id, so, 1, o_.dtype).status());
     return absl::OkStatus();
   }
@@ -159,7 +232,7 @@ class EmbeddedRunner : public BatchRunner {
     const bool first = step == 1;
     const std::string& blob = first ? in_.first : in_.steady;
     const kernels::ScoreMatrix scores = kernels::ScoreMatrix::Dense(
-        blob.data(), o_.dtype, o_.layers, first ? o_.context + 1 : in_.steady_tokens);
+        blob.data(), o_.dtype, in_.rows, first ? o_.context + 1 : in_.steady_tokens);
     int64_t bytes = 0;
     for (size_t i = 0; i < ids_.size(); ++i) {
       RETURN_IF_ERROR(table_->Step(ids_[i], step, needs[i] ? &scores : nullptr, &decision_));
@@ -236,10 +309,13 @@ double Percentile(std::vector<double> v, double p) {
 template <typename MakeRunner>
 absl::StatusOr<LoadResult> Run(const LoadOptions& o, absl::string_view run,
                                MakeRunner make_runner) {
-  ASSIGN_OR_RETURN(const Inputs in, MakeInputs(o));
   if (o.sequences < 1 || o.streams < 1 || o.layers < 1) {
     return absl::InvalidArgumentError("--sequences, --streams and --layers must be >= 1");
   }
+  if (o.transport != "grpc" && o.transport != "shm") {
+    return absl::InvalidArgumentError("--transport must be grpc or shm");
+  }
+  ASSIGN_OR_RETURN(const Inputs in, MakeInputs(o));
   const int32_t streams = std::min(o.streams, o.sequences);
   std::vector<WorkerTotals> totals(static_cast<size_t>(streams));
   std::vector<std::unique_ptr<BatchRunner>> runners;

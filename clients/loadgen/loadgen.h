@@ -26,6 +26,14 @@ struct LoadOptions {
   std::string policy = "inertia";
   absl::Duration duration = absl::Seconds(10);
   uint64_t seed = 1;
+  // How scores reach the daemon: inline in the StepBatch ("grpc") or in a shared-memory
+  // score region per stream that the reports reference ("shm"; the daemon needs
+  // --allow_shm_scores). Regions are sized for the steady step; reports that do not fit
+  // (the first step's prefill) go inline.
+  std::string transport = "grpc";
+  // Sequences opened with the FOLDED layout: one folded row per scoring step (the
+  // synthetic layer rows folded with the policy's weights), in both runs.
+  bool folded = false;
 };
 
 struct LoadResult {

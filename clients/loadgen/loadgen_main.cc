@@ -27,6 +27,11 @@ ABSL_FLAG(std::string, policy, "inertia", "comma-separated presets, or 'all'");
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(10), "steady-state time per policy");
 ABSL_FLAG(bool, embedded, true, "also run the same work in-process for the ratio");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the synthetic scores");
+ABSL_FLAG(std::string, transport, "grpc",
+          "how scores reach the daemon: grpc (inline bytes) or shm (a shared-memory score "
+          "region per stream; kvcached needs --allow_shm_scores)");
+ABSL_FLAG(bool, folded, false,
+          "open the sequences with the FOLDED layout: one folded row per scoring step");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("load generator for kvcached (see --help)");
@@ -41,13 +46,11 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_budget_tokens) > 0) o.budget_tokens = absl::GetFlag(FLAGS_budget_tokens);
   o.duration = absl::GetFlag(FLAGS_duration);
   o.seed = absl::GetFlag(FLAGS_seed);
+  o.transport = absl::GetFlag(FLAGS_transport);
+  o.folded = absl::GetFlag(FLAGS_folded);
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
-  if (dtype == "float32") {
-    o.dtype = kvcm::kernels::ScoreDtype::kFloat32;
-  } else if (dtype == "float16") {
-    o.dtype = kvcm::kernels::ScoreDtype::kFloat16;
-  } else if (dtype == "bfloat16") {
-    o.dtype = kvcm::kernels::ScoreDtype::kBFloat16;
+  if (std::optional<kvcm::kernels::ScoreDtype> parsed = kvcm::kernels::ParseScoreDtype(dtype)) {
+    o.dtype = *parsed;
   } else {
     std::cerr << "kvcache-loadgen: --dtype must be float32, float16 or bfloat16\n";
     return 2;
@@ -61,7 +64,8 @@ int main(int argc, char** argv) {
 
   std::cout << "kvcache-loadgen: " << o.sequences << " sequences over " << o.streams
             << " streams, " << o.layers << " layers, context " << o.context << ", " << dtype
-            << " scores, " << absl::FormatDuration(o.duration) << " per policy"
+            << " scores" << (o.folded ? " (folded)" : "") << ", transport " << o.transport
+            << ", " << absl::FormatDuration(o.duration) << " per policy"
             << (o.server.empty() ? " (in-process only)" : ", kvcached at " + o.server) << "\n";
   std::vector<kvcm::loadgen::LoadResult> daemon, embedded;
   for (const std::string& policy : policies) {
