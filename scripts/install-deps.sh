@@ -8,7 +8,7 @@ packages=(
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-grpcio python3-protobuf python3-pytest python3-yaml
+  python3 python3-grpcio python3-protobuf python3-pytest python3-yaml python3-numpy
   prometheus yamllint unzip
 )
 # Helm comes from an npm package at test time (tests/deploy); npm is on the machine image,

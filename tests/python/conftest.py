@@ -1,7 +1,8 @@
 """Fixtures of the Python client tests.
 
-The generated stubs come from PYTHONPATH (CTest sets it), else from build/python, else are
-generated into a temporary folder when protoc and grpc_python_plugin are on PATH. The daemon
+The generated stubs come from PYTHONPATH (CTest sets it), else from build/python when they
+are not older than the proto, else are generated into a temporary folder when protoc and
+grpc_python_plugin are on PATH. The daemon
 tests start a real kvcached ($KVCM_KVCACHED, default build/bin/kvcached) and skip, saying
 why, when it is not built.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from daemon import REPO_ROOT, Daemon, missing_reason  # noqa: E402
+from daemon import REPO_ROOT, Daemon, flag_missing_reason, missing_reason  # noqa: E402
 
 
 def _make_importable() -> None:
@@ -32,11 +33,14 @@ def _make_importable() -> None:
     except ModuleNotFoundError:
         pass
     built = REPO_ROOT / "build" / "python"
-    if (built / "kvcache" / "v1" / "kvcache_pb2.py").exists():
+    stub = built / "kvcache" / "v1" / "kvcache_pb2.py"
+    proto = REPO_ROOT / "proto" / "kvcache" / "v1" / "kvcache.proto"
+    protoc, plugin = shutil.which("protoc"), shutil.which("grpc_python_plugin")
+    fresh = stub.exists() and stub.stat().st_mtime >= proto.stat().st_mtime
+    if stub.exists() and (fresh or not (protoc and plugin)):
         sys.path.insert(0, str(built))
         return
-    protoc, plugin = shutil.which("protoc"), shutil.which("grpc_python_plugin")
-    if protoc and plugin:
+    if protoc and plugin:  # none built, or built from an older proto
         out = tempfile.mkdtemp(prefix="kvcache-stubs-")
         subprocess.run([protoc, f"--proto_path={REPO_ROOT / 'proto'}", f"--python_out={out}",
                         f"--grpc_out={out}", f"--plugin=protoc-gen-grpc={plugin}",
@@ -62,6 +66,26 @@ def kvcached(tmp_path_factory):
     yield daemon
     status = daemon.terminate()
     assert status == 0, f"kvcached exited with {status} after SIGTERM\n{daemon.log()}"
+
+
+@pytest.fixture(scope="session")
+def shm_kvcached(tmp_path_factory):
+    """One daemon for the session that takes shared-memory score regions
+    (--allow_shm_scores); skips when kvcached is not built or has no such flag."""
+    reason = flag_missing_reason("allow_shm_scores")
+    if reason:
+        pytest.skip(reason)
+    daemon = Daemon(tmp_path_factory.mktemp("kvcached-shm"), "--allow_shm_scores").start()
+    yield daemon
+    status = daemon.terminate()
+    assert status == 0, f"kvcached exited with {status} after SIGTERM\n{daemon.log()}"
+
+
+@pytest.fixture
+def shm_client(shm_kvcached):
+    """A client of the --allow_shm_scores daemon."""
+    with KvCacheClient(shm_kvcached.address, timeout=30) as c:
+        yield c
 
 
 @pytest.fixture

@@ -27,6 +27,28 @@ def missing_reason() -> Optional[str]:
     return None
 
 
+_HELP: dict = {}
+
+
+def flag_missing_reason(flag: str) -> Optional[str]:
+    """Why the daemon tests that need ``--flag`` cannot run (not built, or a kvcached
+    without that flag), or None when they can."""
+    reason = missing_reason()
+    if reason:
+        return reason
+    binary = kvcached_binary()
+    if binary not in _HELP:
+        try:
+            done = subprocess.run([str(binary), "--help"], capture_output=True, text=True,
+                                  timeout=30)
+            _HELP[binary] = done.stdout + done.stderr
+        except (OSError, subprocess.TimeoutExpired) as error:
+            _HELP[binary] = f"({error})"
+    if f"--{flag}" not in _HELP[binary]:
+        return f"{binary} has no --{flag} (an older kvcached): rebuild it"
+    return None
+
+
 class Daemon:
     """One kvcached process on ephemeral loopback ports, logging into ``workdir``."""
 

@@ -1,7 +1,9 @@
 """Rejections from a real kvcached: the right gRPC code, a message naming the sequence (and
 the step), and neither the stream nor the other sequences of the batch disturbed."""
 
+import concurrent.futures
 import struct
+import time
 
 import grpc
 import pytest
@@ -190,21 +192,50 @@ def test_policy_names_the_api_has_no_value_for_are_refused_here(client, seq_id):
 
 
 def test_tensor_parallel_report_errors(client, seq_id):
-    sid = seq_id("tp")
-    client.open_sequence(sid, 4, budget_tokens=2, tp_world_size=2)
     scores = [[0.1] * 5]
     cases = [
-        (0, Report(sid, 1, scores, head_count=0), "head_count is 0"),
-        (2, Report(sid, 1, scores, head_count=1), "outside the tensor-parallel world"),
-        (1, Report(sid, 1, None, head_count=1), "carries no partial sums"),
+        (0, lambda sid: Report(sid, 1, scores, head_count=0), "head_count is 0"),
+        (2, lambda sid: Report(sid, 1, scores, head_count=1), "outside the tensor-parallel world"),
+        (1, lambda sid: Report(sid, 1, None, head_count=1), "carries no partial sums"),
     ]
     for rank, report, words in cases:
+        sid = seq_id("tp")  # a rejected step stays rejected for the other ranks: fresh each
+        client.open_sequence(sid, 4, budget_tokens=2, tp_world_size=2)
         with client.stream(rank=rank, timeout=10) as stream:
-            decision = stream.send([report])[0]
+            decision = stream.send([report(sid)])[0]
         assert decision.code == INVALID, words
         assert f"sequence '{sid}' step 1 rank {rank}" in decision.message
         assert words in decision.message
-    assert client.inspect(sid).ranks_reported == 0
+        assert client.inspect(sid).ranks_reported == 0
+
+
+def test_a_rejected_rank_rejects_the_step_on_every_rank(client, seq_id):
+    sid = seq_id("tp")
+    client.open_sequence(sid, 4, budget_tokens=2, tp_world_size=2)
+    good = [[0.1] * 5]
+
+    def rank0_waits(stream):
+        future = pool.submit(stream.send, [Report(sid, 1, good, head_count=1)])
+        deadline = time.monotonic() + 10
+        while client.inspect(sid).ranks_reported < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.inspect(sid).ranks_reported == 1
+        return future
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+            client.stream(rank=0, timeout=10) as rank0, client.stream(rank=1, timeout=10) as rank1:
+        waiting = rank0_waits(rank0)
+        refused = rank1.send([Report(sid, 1, [[-1.0] * 5], head_count=1)])[0]
+        waited = waiting.result(timeout=10)[0]
+        # The waiting rank is told at once, with the same code and message.
+        assert refused.code == INVALID and "partial sum" in refused.message
+        assert (waited.code, waited.message) == (refused.code, refused.message)
+        assert client.inspect(sid).ranks_reported == 0
+        # Nothing changed: both ranks send the step again and it is decided.
+        waiting = rank0_waits(rank0)
+        decided = rank1.send([Report(sid, 1, good, head_count=1)])[0]
+        assert decided.ok and waiting.result(timeout=10)[0].evicted == decided.evicted
+    assert client.inspect(sid).last_step == 1
 
 
 def test_scores_on_a_step_that_needs_none_are_ignored_and_counted(client, seq_id):

@@ -2,17 +2,51 @@
 match exactly; float16 and bfloat16 must decide exactly as float32 does on the rounded
 values (and, the goldens being far from ties, still match them); two tensor-parallel ranks
 (threads, a stream each) must match exactly too; and every input kind must give the same
-decisions."""
+decisions. Both transports: scores inline in the StepBatch, and through a shared-memory
+score region (a daemon run with --allow_shm_scores)."""
 
 import struct
 import threading
 from array import array
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple
 
 import pytest
 
-from kvcache_client import Scores, encode_scores
+from kvcache_client import KvCacheClient, Scores, encode_scores
 from golden import NAMES, Trace, load, quantize, replay, scale
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - scripts/install-deps.sh installs it
+    np = None
+
+REGION_BYTES = 1 << 18  # every golden's step together needs about 52 KiB
+
+
+class Transport(NamedTuple):
+    name: str
+    client: KvCacheClient
+    options: Dict[str, Any]  # for client.batch()
+
+    def batch(self, **options):
+        return self.client.batch(**self.options, **options)
+
+    def check(self, batch) -> None:
+        """Through a region, every report that carried scores went through it."""
+        region = batch.score_region
+        if self.name == "inline":
+            assert region is None
+        else:
+            assert region is not None and region.inline_reports == 0
+            assert region.region_reports > 0
+
+
+@pytest.fixture(params=["inline", "shm"])
+def transport(request):
+    if request.param == "inline":
+        return Transport("inline", request.getfixturevalue("client"), {})
+    return Transport("shm", request.getfixturevalue("shm_client"),
+                     {"score_region_bytes": REGION_BYTES})
 
 
 def open_all(batch, seq_id, traces: List[Trace], **options) -> Dict[str, Trace]:
@@ -32,19 +66,34 @@ def assert_matches(got: Dict[str, List[Dict[str, Any]]], by_id: Dict[str, Trace]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_golden_float32(client, seq_id, name):
-    with client.batch() as batch:
+def test_golden_float32(transport, seq_id, name):
+    with transport.batch() as batch:
         by_id = open_all(batch, seq_id, [load(name)])
         assert_matches(replay(batch, by_id), by_id)
         for sid in by_id:
             stats = batch.close_sequence(sid)
             assert stats.steps == len(by_id[sid].steps)
+        scored = sum("layers" in step for step in load(name).steps)
+        if transport.name == "shm":
+            assert (batch.score_region.region_reports, batch.score_region.inline_reports) == (
+                scored, 0)
 
 
-def test_all_goldens_in_one_batch(client, seq_id):
-    with client.batch() as batch:
+def test_all_goldens_in_one_batch(transport, seq_id):
+    with transport.batch() as batch:
         by_id = open_all(batch, seq_id, [load(n) for n in NAMES])
         assert_matches(replay(batch, by_id), by_id)
+        transport.check(batch)
+
+
+def test_a_region_too_small_for_a_step_sends_the_rest_inline_and_still_matches(shm_client,
+                                                                               seq_id):
+    with shm_client.batch(score_region_bytes=12 << 10) as batch:
+        by_id = open_all(batch, seq_id, [load(n) for n in NAMES])
+        assert_matches(replay(batch, by_id), by_id)
+        region = batch.score_region
+        assert region.region_reports > 0 and region.inline_reports > 0
+        assert region.high_water_bytes <= 12 << 10
 
 
 # The same values, exactly representable in the narrow dtype, sent three ways.
@@ -100,12 +149,13 @@ def test_float16_as_the_sequence_dtype(client, seq_id):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_narrow_dtypes_still_match_the_goldens(client, seq_id, dtype):
+def test_narrow_dtypes_still_match_the_goldens(transport, seq_id, dtype):
     """Rounding moves scores by up to 2^-11 (float16) or 2^-8 (bfloat16) relative; the
     goldens' eviction boundaries are far enough from ties that every golden still matches."""
-    with client.batch() as batch:
+    with transport.batch() as batch:
         by_id = open_all(batch, seq_id, [load(n) for n in NAMES])
         assert_matches(replay(batch, by_id, dtype=dtype), by_id)
+        transport.check(batch)
 
 
 # Every input kind of float32, rotating step by step, must match the golden exactly.
@@ -126,19 +176,29 @@ def _float32_inputs(layers, index):
         lambda: flat,                                         # flat list: layers from the cache
         lambda: array("d", flat),                             # float64, converted
     ]
+    if np is not None:
+        kinds += [
+            lambda: np.array(layers, dtype=np.float32),                      # [layers, tokens]
+            lambda: np.array(layers, dtype=np.float64),                      # converted
+            lambda: np.asfortranarray(np.array(layers, dtype=np.float32)),   # strided
+            lambda: np.array(flat, dtype=np.float32),          # flat: layers from the cache
+        ]
     return kinds[index % len(kinds)]()
 
 
 @pytest.mark.parametrize("name", ["ema_every_step", "shift_protected", "ema_lazy4"])
-def test_every_float32_input_kind_matches_the_golden(client, seq_id, name):
-    with client.batch() as batch:
+def test_every_float32_input_kind_matches_the_golden(transport, seq_id, name):
+    with transport.batch() as batch:
         by_id = open_all(batch, seq_id, [load(name)])
         assert_matches(replay(batch, by_id, _float32_inputs), by_id)
+        transport.check(batch)
 
 
-def test_tensor_parallel_ranks_match_the_goldens(client, seq_id):
-    """Two ranks, a thread and a stream each; rank p holds h_p = 1 + p % 2 heads and sends
-    its rows times h_p (its heads' sum), so the joined scores are the golden's."""
+def test_tensor_parallel_ranks_match_the_goldens(transport, seq_id):
+    """Two ranks, a thread and a stream each (and a score region each, for shm); rank p
+    holds h_p = 1 + p % 2 heads and sends its rows times h_p (its heads' sum), so the joined
+    scores are the golden's."""
+    client = transport.client
     traces = [load(n) for n in NAMES]
     world = 2
     by_id = {}
@@ -152,10 +212,11 @@ def test_tensor_parallel_ranks_match_the_goldens(client, seq_id):
     def run_rank(rank: int) -> None:
         heads = 1 + rank % 2
         try:
-            with client.batch(rank=rank, head_count=heads, timeout=60) as batch:
+            with transport.batch(rank=rank, head_count=heads, timeout=60) as batch:
                 for sid in by_id:
                     batch.add(sid)
                 results[rank] = replay(batch, by_id, lambda layers, i: scale(layers, heads))
+                transport.check(batch)
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 

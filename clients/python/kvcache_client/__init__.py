@@ -13,15 +13,19 @@ See docs/PYTHON.md. Needs grpcio and the generated kvcache.v1 modules on the pat
 from .batch import SequenceBatch, TrackedSequence
 from .client import KvCacheClient
 from .errors import KvCacheError, StepError
+from .fold import FoldWeights, fold_scores
 from .policy import PRESETS, Policy
+from .region import ScoreRegion
 from .results import Decision, KvChange, KvPool, SequenceState, SequenceStats
-from .scores import EncodedScores, Scores, ScoreShapeError, decode_scores, encode_scores
+from .scores import (EncodedScores, PreparedScores, Scores, ScoreShapeError, decode_scores,
+                     encode_scores, prepare_scores)
 from .stream import Report, StepStream
 
 __all__ = [
-    "Decision", "EncodedScores", "KvCacheClient", "KvCacheError", "KvChange", "KvPool",
-    "PRESETS", "Policy",
-    "Report", "Scores", "ScoreShapeError", "SequenceBatch", "SequenceState", "SequenceStats",
-    "StepError", "StepStream", "TrackedSequence", "decode_scores", "encode_scores",
+    "Decision", "EncodedScores", "FoldWeights", "KvCacheClient", "KvCacheError", "KvChange",
+    "KvPool", "PRESETS", "Policy", "PreparedScores",
+    "Report", "ScoreRegion", "Scores", "ScoreShapeError", "SequenceBatch", "SequenceState",
+    "SequenceStats", "StepError", "StepStream", "TrackedSequence", "decode_scores",
+    "encode_scores", "fold_scores", "prepare_scores",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "put build/python on PYTHONPATH next to clients/python (see docs/PYTHON.md)"
     ) from error
 
-__all__ = ["pb", "pb_grpc", "dtype_to_proto", "dtype_from_proto"]
+__all__ = ["pb", "pb_grpc", "dtype_to_proto", "dtype_from_proto", "layout_to_proto",
+           "layout_from_proto"]
 
 _DTYPES = {
     "float32": pb.SCORE_DTYPE_FLOAT32,
@@ -33,3 +34,20 @@ def dtype_to_proto(dtype: Optional[str]) -> int:
 def dtype_from_proto(value: int) -> str:
     """The name of a ScoreDtype; UNSPECIFIED reads as float32 (the daemon's default)."""
     return _DTYPE_NAMES.get(value, "float32")
+
+
+_LAYOUTS = {"per_layer": pb.SCORE_LAYOUT_PER_LAYER, "folded": pb.SCORE_LAYOUT_FOLDED}
+
+
+def layout_to_proto(layout: str) -> int:
+    """The ScoreLayout of ``"per_layer"`` (sent as UNSPECIFIED, which means it) or
+    ``"folded"``; ValueError for another name."""
+    name = str(layout).lower().replace("-", "_")
+    if name not in _LAYOUTS:
+        raise ValueError(f"unknown score layout {layout!r}; use per_layer or folded")
+    return pb.SCORE_LAYOUT_UNSPECIFIED if name == "per_layer" else _LAYOUTS[name]
+
+
+def layout_from_proto(value: int) -> str:
+    """``"folded"`` or ``"per_layer"`` (UNSPECIFIED reads as per_layer)."""
+    return "folded" if value == pb.SCORE_LAYOUT_FOLDED else "per_layer"

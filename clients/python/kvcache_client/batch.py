@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import grpc
 
 from ._proto import pb
 from .errors import StepError
+from .fold import FoldWeights
 from .results import Decision, SequenceState, SequenceStats
-from .scores import ScoresLike, ScoreShapeError
-from .stream import Report
+from .scores import PreparedScores, ScoresLike, ScoreShapeError
+from .stream import Report, report_message
 
 if TYPE_CHECKING:
     from .client import KvCacheClient
+    from .region import ScoreRegion
 
 
 @dataclass
@@ -37,10 +39,17 @@ class TrackedSequence:
     tp_world_size: int
     head_count: int       #: query heads summed into this rank's rows; 0: mean-pooled
     score_dtype: str      #: for Python floats and raw bytes without a dtype
+    score_layout: str = "per_layer"  #: or folded: one row per scoring step
+    layers: int = 0                  #: folded: the K layers a folded row sums
+    fold_weights: Optional[FoldWeights] = None  #: folded: for fold_scores(rows, ...)
 
     @property
     def next_step(self) -> int:
         return self.last_step + 1
+
+    @property
+    def folded(self) -> bool:
+        return self.score_layout == "folded"
 
     @property
     def tokens(self) -> int:
@@ -65,20 +74,36 @@ class SequenceBatch:
     same decisions; a rank's step returns once all ranks have reported it, so run the
     ranks in their own threads or processes.
 
+    Transports: scores travel inline in the StepBatch, or, with ``score_region_bytes``,
+    through a shared-memory :class:`~kvcache_client.region.ScoreRegion` the daemon reads in
+    place (``score_region`` says how many reports went each way). ``step()`` is the same.
+
+    Folded sequences (``open(..., score_layout="folded", layers=K)``) take one row per
+    scoring step: ``fold_scores(rows, batch.sequences[id].fold_weights)``.
+
     Not thread-safe: one batch per rank, used from one thread.
     """
 
     def __init__(self, client: "KvCacheClient", *, rank: int = 0,
-                 head_count: Optional[int] = None, timeout: Optional[float] = None) -> None:
+                 head_count: Optional[int] = None, timeout: Optional[float] = None,
+                 score_region_bytes: Optional[int] = None) -> None:
         """``head_count``: query heads this rank sums into each row (default for its
         sequences; required for tensor-parallel ones). ``timeout``: seconds to wait for a
-        step's decisions (default: the client's timeout)."""
+        step's decisions (default: the client's timeout). ``score_region_bytes``: send the
+        scores through a shared-memory region of that size (KvCacheClient.stream)."""
         self._client = client
         self.rank = rank
         self.head_count = head_count
         self._stream = client.stream(rank=rank,
-                                     timeout=timeout if timeout is not None else client.timeout)
+                                     timeout=timeout if timeout is not None else client.timeout,
+                                     score_region_bytes=score_region_bytes)
         self._sequences: Dict[str, TrackedSequence] = {}
+
+    @property
+    def score_region(self) -> Optional["ScoreRegion"]:
+        """The shared-memory region the scores go through (None: inline). Its
+        ``region_reports`` and ``inline_reports`` count the reports sent each way."""
+        return self._stream.score_region
 
     # -- membership -----------------------------------------------------------------------
 
@@ -101,7 +126,8 @@ class SequenceBatch:
             sequence_id=sequence_id, last_step=state.last_step, cache_size=state.cache_size,
             next_needs_scores=state.next_needs_scores, tp_world_size=state.tp_world_size,
             head_count=self._head_count_for(sequence_id, state.tp_world_size, head_count),
-            score_dtype=state.score_dtype)
+            score_dtype=state.score_dtype, score_layout=state.score_layout,
+            layers=state.layers, fold_weights=state.fold_weights)
         self._sequences[sequence_id] = tracked
         return tracked
 
@@ -164,11 +190,12 @@ class SequenceBatch:
         """
         decisions: Dict[str, Optional[Decision]] = {}
         sent: List[str] = []
-        messages: List[pb.StepReport] = []
+        reports: List[Tuple[str, int, int, Optional[PreparedScores]]] = []
         for sequence_id, value in scores.items():
             tracked = self._tracked(sequence_id)
             try:
-                messages.append(self._report(tracked, value, dtype, layers))
+                reports.append((sequence_id, tracked.next_step, tracked.head_count,
+                                self._prepare(tracked, value, dtype, layers)))
             except ScoreShapeError as error:
                 decisions[sequence_id] = Decision.rejected(
                     sequence_id, tracked.next_step, grpc.StatusCode.INVALID_ARGUMENT,
@@ -178,7 +205,12 @@ class SequenceBatch:
                 continue
             decisions[sequence_id] = None
             sent.append(sequence_id)
-        for sequence_id, decision in zip(sent, self._stream.send(messages)):
+
+        def build(region: Optional["ScoreRegion"]) -> List[pb.StepReport]:
+            # Under the stream's lock, once the region may be written from its start.
+            return [report_message(*report, region) for report in reports]
+
+        for sequence_id, decision in zip(sent, self._stream.send_built(build)):
             decisions[sequence_id] = decision
             if decision.ok:
                 tracked = self._sequences.get(sequence_id)
@@ -201,22 +233,30 @@ class SequenceBatch:
             raise KeyError(f"sequence {sequence_id!r} is not in this batch; open() or add() "
                            "it first") from None
 
-    def _report(self, tracked: TrackedSequence, value: ScoresLike, dtype: Optional[str],
-                layers: Optional[int]) -> pb.StepReport:
+    def _prepare(self, tracked: TrackedSequence, value: ScoresLike, dtype: Optional[str],
+                 layers: Optional[int]) -> Optional[PreparedScores]:
         if value is None and tracked.next_needs_scores:
-            raise ScoreShapeError(f"this step needs scores ({tracked.tokens} per layer) and "
+            what = "one folded row" if tracked.folded else "per layer"
+            raise ScoreShapeError(f"this step needs scores ({tracked.tokens} {what}) and "
                                   "none were given")
         report = Report(tracked.sequence_id, tracked.next_step, value, layers=layers,
                         dtype=dtype, head_count=tracked.head_count)
         # Sizes are checked only where the daemon uses the scores; on other steps it
         # ignores them (and counts them).
         tokens = tracked.tokens if tracked.next_needs_scores else None
-        return report.to_proto(default_dtype=tracked.score_dtype, tokens=tokens)
+        prepared = report.prepare(default_dtype=tracked.score_dtype, tokens=tokens)
+        if prepared is not None and tracked.folded and prepared.layers != 1:
+            raise ScoreShapeError(
+                f"the sequence is folded ({tracked.layers} layers into one row) and these "
+                f"scores have {prepared.layers} rows: send "
+                "fold_scores(rows, batch.sequences[id].fold_weights)")
+        return prepared
 
     # -- life -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Ends the stream. The sequences stay open on the daemon (``close_sequence`` them)."""
+        """Ends the stream (and unregisters and unlinks its score region). The sequences
+        stay open on the daemon (``close_sequence`` them)."""
         self._stream.close()
 
     def __enter__(self) -> "SequenceBatch":

@@ -6,10 +6,11 @@ from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Unio
 
 import grpc
 
-from ._proto import dtype_to_proto, pb, pb_grpc
+from ._proto import dtype_to_proto, layout_to_proto, pb, pb_grpc
 from .batch import SequenceBatch
 from .errors import KvCacheError
 from .policy import Policy
+from .region import ScoreRegion
 from .results import Decision, KvPool, SequenceState, SequenceStats
 from .scores import normalize_dtype
 from .stream import ReportLike, StepStream, reports_to_proto
@@ -44,14 +45,18 @@ class KvCacheClient:
                       budget_tokens: Optional[int] = None,
                       compression_ratio: Optional[float] = None,
                       policy: PolicyLike = "inertia", tp_world_size: int = 1,
-                      score_dtype: str = "float32") -> SequenceState:
+                      score_dtype: str = "float32", score_layout: str = "per_layer",
+                      layers: Optional[int] = None) -> SequenceState:
         """Registers a sequence: ``prefill_len`` prompt tokens and a budget, given as exactly
         one of ``budget_tokens`` (tokens kept) or ``compression_ratio`` (0.9 keeps 10%).
 
         ``policy``: a preset name (inertia, inertia_lazy4, score_free, tova, h2o,
         streaming_llm, random), a :class:`Policy`, or a mapping of its fields.
         ``score_dtype``: what its reports carry unless they say otherwise.
-        Raises KvCacheError: ALREADY_EXISTS, INVALID_ARGUMENT (budget, policy),
+        ``score_layout``: ``"per_layer"`` (one row per layer) or ``"folded"`` (one row per
+        step, the ``layers`` = K layer rows folded with the returned state's
+        ``fold_weights``: see :func:`~kvcache_client.fold_scores`).
+        Raises KvCacheError: ALREADY_EXISTS, INVALID_ARGUMENT (budget, policy, layers),
         RESOURCE_EXHAUSTED (the daemon's --max_sequences).
         """
         if budget_tokens is not None and compression_ratio is not None:
@@ -59,7 +64,10 @@ class KvCacheClient:
         request = pb.OpenSequenceRequest(
             sequence_id=sequence_id, prefill_len=prefill_len,
             policy=Policy.coerce(policy).to_proto(), tp_world_size=tp_world_size,
-            score_dtype=dtype_to_proto(normalize_dtype(score_dtype)))
+            score_dtype=dtype_to_proto(normalize_dtype(score_dtype)),
+            score_layout=layout_to_proto(score_layout))
+        if layers is not None:
+            request.layers = layers
         if budget_tokens is not None:
             request.budget_tokens = budget_tokens
         if compression_ratio is not None:
@@ -107,13 +115,52 @@ class KvCacheClient:
         return [Decision.from_proto(d) for d in response.decisions]
 
     def batch(self, *, rank: int = 0, head_count: Optional[int] = None,
-              timeout: Optional[float] = None) -> SequenceBatch:
-        """A :class:`SequenceBatch` for this worker rank (its own StepStream)."""
-        return SequenceBatch(self, rank=rank, head_count=head_count, timeout=timeout)
+              timeout: Optional[float] = None,
+              score_region_bytes: Optional[int] = None) -> SequenceBatch:
+        """A :class:`SequenceBatch` for this worker rank (its own StepStream).
 
-    def stream(self, *, rank: int = 0, timeout: Optional[float] = None) -> StepStream:
-        """A raw :class:`StepStream` for this rank: explicit step numbers, no tracking."""
-        return StepStream(self._stub, rank=rank, timeout=timeout)
+        ``score_region_bytes``: send the scores through a shared-memory region of that size
+        (the daemon on this node, run with --allow_shm_scores), see :meth:`stream`."""
+        return SequenceBatch(self, rank=rank, head_count=head_count, timeout=timeout,
+                             score_region_bytes=score_region_bytes)
+
+    def stream(self, *, rank: int = 0, timeout: Optional[float] = None,
+               score_region_bytes: Optional[int] = None) -> StepStream:
+        """A raw :class:`StepStream` for this rank: explicit step numbers, no tracking.
+
+        ``score_region_bytes``: create and register a :class:`ScoreRegion` of that many
+        bytes; every batch's scores are then written there (each report's range 64-byte
+        aligned; those that do not fit go inline) and the reports name their ranges. The
+        stream owns it: closing the stream unregisters and unlinks it. Raises
+        KvCacheError FAILED_PRECONDITION when the daemon was started without
+        --allow_shm_scores."""
+        region = ScoreRegion(self, score_region_bytes) if score_region_bytes else None
+        try:
+            return StepStream(self._stub, rank=rank, timeout=timeout, score_region=region)
+        except BaseException:
+            if region is not None:
+                region.close()
+            raise
+
+    # -- score regions ----------------------------------------------------------------------
+
+    def register_score_region(self, name: str, byte_size: int) -> int:
+        """RegisterScoreRegion: lets the daemon map ``byte_size`` bytes of the POSIX
+        shared-memory object ``name`` ("/..."); returns the region id for ScoreRefs.
+        (:meth:`batch` and :meth:`stream` do this for you with ``score_region_bytes``.)
+        Raises KvCacheError: FAILED_PRECONDITION (no --allow_shm_scores), INVALID_ARGUMENT
+        (cannot open it, or smaller than byte_size), RESOURCE_EXHAUSTED (region limit)."""
+        response = self._call(
+            self._stub.RegisterScoreRegion,
+            pb.RegisterScoreRegionRequest(name=name, byte_size=byte_size),
+            f"RegisterScoreRegion({name!r}, {byte_size} bytes)")
+        return response.region
+
+    def unregister_score_region(self, region: int) -> None:
+        """UnregisterScoreRegion: the daemon unmaps it. Raises KvCacheError NOT_FOUND."""
+        self._call(self._stub.UnregisterScoreRegion,
+                   pb.UnregisterScoreRegionRequest(region=region),
+                   f"UnregisterScoreRegion({region})")
 
     # -- connection -----------------------------------------------------------------------
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import grpc
 
-from ._proto import dtype_from_proto, pb
+from ._proto import dtype_from_proto, layout_from_proto, pb
 from .errors import StepError, status_code
+from .fold import FoldWeights
 from .policy import Policy
 
 
@@ -48,6 +49,10 @@ class SequenceState:
     momentum: List[float] = field(default_factory=list)  #: with include_cache
     #: with include_cache and KV pools: rank -> each cached token's slot (order of positions)
     kv_slots: Dict[int, List[int]] = field(default_factory=dict)
+    score_layout: str = "per_layer"  #: per_layer, or folded (one row per scoring step)
+    layers: int = 0                  #: folded: the K layers each folded row sums
+    #: folded with a score-using aggregation: the weights for fold_scores, and the decay
+    fold_weights: Optional[FoldWeights] = None
 
     @property
     def next_step(self) -> int:
@@ -71,6 +76,10 @@ class SequenceState:
             positions=list(message.positions),
             momentum=list(message.momentum),
             kv_slots={s.rank: list(s.slots) for s in message.kv_slots},
+            score_layout=layout_from_proto(message.score_layout),
+            layers=message.layers,
+            fold_weights=(FoldWeights.from_proto(message.fold_weights)
+                          if message.HasField("fold_weights") else None),
         )
 
 

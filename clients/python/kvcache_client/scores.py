@@ -1,16 +1,24 @@
 """Packing layer scores into the wire format: [layers, tokens], little-endian, layer-major.
 
-Pure Python (no gRPC, no numpy). What :func:`encode_scores` accepts:
+Pure Python (no gRPC; numpy and torch are used only when the caller passes their arrays).
+What :func:`encode_scores` accepts:
 
 * a list (or tuple) of per-layer rows, each a sequence of floats or a 1-D buffer;
 * a flat sequence of floats, with ``layers=`` (or ``tokens=``) saying how it splits;
 * any object with the buffer protocol: ``array.array('f')``, a ``memoryview``, a numpy
   array, ``tensor.numpy()``. Its format decides the element type: ``'f'`` float32, ``'e'``
-  float16, ``'d'`` float64 (converted); 1-D is flat, 2-D is ``[layers, tokens]``;
+  float16, ``'d'`` float64 (converted; to the sequence's dtype unless ``dtype`` says);
+  1-D is flat, 2-D is ``[layers, tokens]``;
 * raw bits: ``bytes``/``bytearray``/``'B'`` buffers hold elements of ``dtype`` (the
   sequence's score dtype when not given), and 16-bit integer buffers (``'H'``/``'h'``,
   e.g. ``bf16_tensor.view(torch.int16).numpy()``) hold float16 or bfloat16 bits;
-* anything else with a ``tolist()`` method (a torch tensor), converted through Python floats.
+* a torch tensor (CPU or CUDA), 1-D or 2-D: floats of any width go as ``dtype`` or else
+  the sequence's dtype (converted on the tensor's device, then copied to the host once),
+  16-bit integers (``t.view(torch.int16)``) as float16/bfloat16 bits;
+* anything else with a ``tolist()`` method, converted through Python floats.
+
+Numpy arrays and torch tensors are converted and copied in one pass into the destination
+(bytes for the wire, or a score region's range): see :class:`PreparedScores`.
 
 ``dtype`` is what goes on the wire: ``"float32"``, ``"float16"`` or ``"bfloat16"``. Float
 buffers of another type and Python floats are converted to it; raw bits are sent as they
@@ -26,7 +34,9 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+from . import _arrays
 
 #: Wire dtypes and their element sizes in bytes.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -80,6 +90,40 @@ def normalize_dtype(dtype: Optional[str]) -> Optional[str]:
     return name
 
 
+@dataclass(frozen=True)
+class PreparedScores:
+    """Scores checked and sized for a StepReport, not yet packed: ``write_into`` packs them
+    into a buffer of exactly ``nbytes`` (a score region's range), ``to_bytes`` into bytes
+    for the wire. Both give the same bytes. Numpy arrays and torch tensors are converted
+    and copied once, straight into the target; other inputs are packed here first."""
+
+    layers: int            #: rows
+    tokens: Optional[int]  #: scores per layer; None for raw bytes of unknown dtype
+    dtype: Optional[str]   #: wire dtype; None: raw bytes in the sequence's dtype
+    nbytes: int            #: layers * tokens * the dtype's size
+    _data: Optional[bytes] = None
+    _write: Optional[Callable[[memoryview], None]] = None
+
+    def write_into(self, target: memoryview) -> None:
+        """Packs the scores into ``target`` (writable, ``nbytes`` long)."""
+        if len(target) != self.nbytes:
+            raise ValueError(f"target holds {len(target)} bytes, the scores {self.nbytes}")
+        if self._write is not None:
+            self._write(target)
+        else:
+            target[:] = self._data  # type: ignore[index]
+
+    def to_bytes(self) -> bytes:
+        if self._data is not None:
+            return self._data
+        out = bytearray(self.nbytes)
+        self.write_into(memoryview(out))
+        return bytes(out)
+
+    def encoded(self) -> EncodedScores:
+        return EncodedScores(self.to_bytes(), self.layers, self.tokens, self.dtype)
+
+
 def encode_scores(scores: ScoresLike, *, dtype: Optional[str] = None,
                   layers: Optional[int] = None, tokens: Optional[int] = None,
                   default_dtype: Optional[str] = "float32") -> Optional[EncodedScores]:
@@ -98,26 +142,44 @@ def encode_scores(scores: ScoresLike, *, dtype: Optional[str] = None,
         a layer count or token count that does not match).
       TypeError: an input of a kind listed nowhere above.
     """
+    prepared = prepare_scores(scores, dtype=dtype, layers=layers, tokens=tokens,
+                              default_dtype=default_dtype)
+    return None if prepared is None else prepared.encoded()
+
+
+def prepare_scores(scores: ScoresLike, *, dtype: Optional[str] = None,
+                   layers: Optional[int] = None, tokens: Optional[int] = None,
+                   default_dtype: Optional[str] = "float32") -> Optional[PreparedScores]:
+    """Like :func:`encode_scores` (same arguments, same checks), without packing yet."""
     if isinstance(scores, Scores):
-        return encode_scores(scores.data, dtype=scores.dtype or dtype,
-                             layers=scores.layers if scores.layers is not None else layers,
-                             tokens=tokens, default_dtype=default_dtype)
+        return prepare_scores(scores.data, dtype=scores.dtype or dtype,
+                              layers=scores.layers if scores.layers is not None else layers,
+                              tokens=tokens, default_dtype=default_dtype)
     if scores is None:
         return None
     dtype = normalize_dtype(dtype)
     default_dtype = normalize_dtype(default_dtype)
-    if isinstance(scores, (list, tuple)) and scores and not _is_number(scores[0]):
+    plan = _arrays.plan(scores, dtype, default_dtype)
+    if plan is not None:
+        rows_2d, count, wire, write = plan
+        shape_layers, width = _shape(count, rows_2d, layers, tokens)
+        prepared = PreparedScores(shape_layers, width, wire, count * DTYPE_SIZES[wire],
+                                  _write=write)
+    elif isinstance(scores, (list, tuple)) and scores and not _is_number(scores[0]):
         encoded = _encode_rows(scores, dtype, default_dtype)
         if layers is not None and layers != encoded.layers:
             raise ScoreShapeError(f"scores have {encoded.layers} layers, layers={layers}")
+        prepared = PreparedScores(encoded.layers, encoded.tokens, encoded.dtype,
+                                  len(encoded.data), _data=encoded.data)
     else:
         data, count, rows, wire = _encode_flat(scores, dtype, default_dtype)
-        encoded = _split(data, count, rows, wire, layers, tokens)
-    if tokens is not None and encoded.tokens is not None and encoded.tokens != tokens:
+        shape_layers, width = _shape(count, rows, layers, tokens)
+        prepared = PreparedScores(shape_layers, width, wire, len(data), _data=data)
+    if tokens is not None and prepared.tokens is not None and prepared.tokens != tokens:
         raise ScoreShapeError(
-            f"scores have {encoded.tokens} per layer; the step needs {tokens} "
+            f"scores have {prepared.tokens} per layer; the step needs {tokens} "
             f"({tokens - 1} cached + the new token)")
-    return encoded
+    return prepared
 
 
 def _is_number(value: Any) -> bool:
@@ -208,9 +270,9 @@ def _encode_buffer(view: memoryview, dtype: Optional[str], default_dtype: Option
                     "('f'), float16 ('e'), float64 ('d') or raw bytes with a dtype")
 
 
-def _split(data: bytes, count: Optional[int], rows: Optional[int], wire: Optional[str],
-           layers: Optional[int], tokens: Optional[int]) -> EncodedScores:
-    """Decides [layers, tokens] for flat or 2-D data."""
+def _shape(count: Optional[int], rows: Optional[int], layers: Optional[int],
+           tokens: Optional[int]) -> Tuple[int, Optional[int]]:
+    """(layers, scores per layer or None when unknown) of flat or 2-D data."""
     if count == 0:
         raise ScoreShapeError("scores are empty; pass None to send no scores")
     if rows is not None:
@@ -229,10 +291,10 @@ def _split(data: bytes, count: Optional[int], rows: Optional[int], wire: Optiona
     if layers < 1:
         raise ScoreShapeError(f"layers must be >= 1, got {layers}")
     if count is None:
-        return EncodedScores(data, layers, None, None)
+        return layers, None
     if count % layers:
         raise ScoreShapeError(f"{count} scores do not split into {layers} equal layers")
-    return EncodedScores(data, layers, count // layers, wire)
+    return layers, count // layers
 
 
 def _split_format(fmt: str) -> Tuple[bool, str]:

@@ -10,14 +10,17 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Optional, Union
 
 import grpc
 
 from ._proto import dtype_to_proto, pb, pb_grpc
 from .errors import KvCacheError
 from .results import Decision
-from .scores import ScoresLike, encode_scores, normalize_dtype
+from .scores import PreparedScores, ScoresLike, normalize_dtype, prepare_scores
+
+if TYPE_CHECKING:
+    from .region import ScoreRegion
 
 
 @dataclass
@@ -36,29 +39,52 @@ class Report:
     dtype: Optional[str] = None
     head_count: int = 0
 
-    def to_proto(self, *, default_dtype: Optional[str] = None,
-                 tokens: Optional[int] = None) -> pb.StepReport:
+    def prepare(self, *, default_dtype: Optional[str] = None,
+                tokens: Optional[int] = None) -> Optional[PreparedScores]:
+        """The scores checked and sized, not packed yet (None: no scores). Arguments as
+        :meth:`to_proto`."""
+        return prepare_scores(self.scores, dtype=self.dtype, layers=self.layers,
+                              tokens=tokens, default_dtype=normalize_dtype(default_dtype))
+
+    def to_proto(self, *, default_dtype: Optional[str] = None, tokens: Optional[int] = None,
+                 region: Optional["ScoreRegion"] = None) -> pb.StepReport:
         """Encodes the report. ``default_dtype``: the sequence's score dtype, if known (raw
-        bytes without one go as UNSPECIFIED); ``tokens``: the scores per layer to check.
-        Raises ScoreShapeError/TypeError like encode_scores."""
-        message = pb.StepReport(sequence_id=self.sequence_id, step=self.step,
-                                head_count=self.head_count)
-        encoded = encode_scores(self.scores, dtype=self.dtype, layers=self.layers,
-                                tokens=tokens,
-                                default_dtype=normalize_dtype(default_dtype))
-        if encoded is not None:
-            message.scores = encoded.data
-            message.layers = encoded.layers
-            message.dtype = dtype_to_proto(encoded.dtype)
+        bytes without one go as UNSPECIFIED); ``tokens``: the scores per layer to check;
+        ``region``: write the scores there and send a ScoreRef (inline when they do not
+        fit). Raises ScoreShapeError/TypeError like encode_scores."""
+        prepared = self.prepare(default_dtype=default_dtype, tokens=tokens)
+        return report_message(self.sequence_id, self.step, self.head_count, prepared, region)
+
+
+def report_message(sequence_id: str, step: int, head_count: int,
+                   prepared: Optional[PreparedScores],
+                   region: Optional["ScoreRegion"] = None) -> pb.StepReport:
+    """A StepReport carrying ``prepared`` inline, or by reference into ``region`` when it
+    fits there."""
+    message = pb.StepReport(sequence_id=sequence_id, step=step, head_count=head_count)
+    if prepared is None:
         return message
+    message.layers = prepared.layers
+    message.dtype = dtype_to_proto(prepared.dtype)
+    offset = region.place(prepared) if region is not None else None
+    if offset is None:
+        message.scores = prepared.to_bytes()
+    else:
+        message.score_ref.region = region.region_id  # type: ignore[union-attr]
+        message.score_ref.offset = offset
+        message.score_ref.byte_size = prepared.nbytes
+    return message
 
 
 ReportLike = Union[Report, pb.StepReport]
 
 
-def reports_to_proto(reports: Iterable[ReportLike]) -> List[pb.StepReport]:
-    """Report objects encoded; StepReport messages pass as they are (an escape hatch)."""
-    return [r if isinstance(r, pb.StepReport) else r.to_proto() for r in reports]
+def reports_to_proto(reports: Iterable[ReportLike],
+                     region: Optional["ScoreRegion"] = None) -> List[pb.StepReport]:
+    """Report objects encoded (their scores into ``region`` when given and they fit);
+    StepReport messages pass as they are (an escape hatch)."""
+    return [r if isinstance(r, pb.StepReport) else r.to_proto(region=region)
+            for r in reports]
 
 
 _CLOSE = object()
@@ -72,17 +98,25 @@ class StepStream:
     only its own Decision; the stream itself fails only when the connection does, after
     which every ``send`` raises the KvCacheError that ended it.
 
+    With a :class:`~kvcache_client.region.ScoreRegion` (``client.stream(
+    score_region_bytes=N)``) the scores of :class:`Report` objects go through the region
+    (each batch from its start: a batch is sent only after the previous one's decisions
+    arrived); the stream owns it and closes it in :meth:`close`.
+
     Thread-safety: ``send`` calls are serialized by a lock; use one stream per rank (and,
     for tensor parallelism, one thread per rank: a rank's batch is answered only once every
     rank has reported its steps).
     """
 
     def __init__(self, stub: pb_grpc.KvCacheStub, *, rank: int = 0,
-                 timeout: Optional[float] = None, metadata=None) -> None:
+                 timeout: Optional[float] = None, metadata=None,
+                 score_region: Optional["ScoreRegion"] = None) -> None:
         """``timeout``: seconds to wait for each reply (None: forever). A reply that misses
-        it fails the stream with DEADLINE_EXCEEDED, since its steps may still be decided."""
+        it fails the stream with DEADLINE_EXCEEDED, since its steps may still be decided.
+        ``score_region``: a registered region the stream then owns (closes with itself)."""
         self.rank = rank
         self.timeout = timeout
+        self.score_region = score_region
         self._requests: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._replies: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._batch_ids = itertools.count(1)
@@ -116,12 +150,22 @@ class StepStream:
 
     def send(self, reports: Iterable[ReportLike]) -> List[Decision]:
         """Sends one batch; returns its decisions, one per report, in order."""
-        messages = reports_to_proto(reports)
+        reports = list(reports)
+        return self.send_built(lambda region: reports_to_proto(reports, region))
+
+    def send_built(self, build: Callable[[Optional["ScoreRegion"]], List[pb.StepReport]]
+                   ) -> List[Decision]:
+        """Sends the batch ``build(region)`` returns, built under the stream's lock once
+        the region (None without one) is free to be written from its start."""
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             if self._closed:
                 raise KvCacheError(grpc.StatusCode.CANCELLED, "the step stream is closed")
+            region = self.score_region
+            if region is not None:
+                region.begin_batch()  # the previous batch's decisions have all arrived
+            messages = build(region)
             if not messages:
                 return []
             batch_id = next(self._batch_ids)
@@ -159,15 +203,26 @@ class StepStream:
         return self._failure
 
     def close(self, timeout: float = 1.0) -> None:
-        """Ends the stream (half-close, then cancel if the daemon does not finish it)."""
+        """Ends the stream (half-close, then cancel if the daemon does not finish it), then
+        unregisters and unlinks its score region, if any."""
         if self._closed:
             return
         self._closed = True
-        self._requests.put(_CLOSE)
-        self._reader.join(timeout)
-        if self._reader.is_alive():
-            self._call.cancel()
+        try:
+            self._requests.put(_CLOSE)
             self._reader.join(timeout)
+            if self._reader.is_alive():
+                self._call.cancel()
+                self._reader.join(timeout)
+        finally:
+            if self.score_region is not None:
+                # A send still waiting (another thread) ends with the stream: let it.
+                locked = self._lock.acquire(timeout=timeout)
+                try:
+                    self.score_region.close()
+                finally:
+                    if locked:
+                        self._lock.release()
 
     def __enter__(self) -> "StepStream":
         return self

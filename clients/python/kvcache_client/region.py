@@ -1,0 +1,182 @@
+"""ScoreRegion: a POSIX shared-memory object that kvcached reads a worker's scores from.
+
+On the daemon's node, scores need not travel through gRPC: the worker writes them into a
+shared-memory region it registered (``RegisterScoreRegion``; the daemon must run with
+``--allow_shm_scores``), and each report names its range (``ScoreRef``) instead of carrying
+the bytes. ``client.batch(score_region_bytes=N)`` and ``client.stream(score_region_bytes=N)``
+make one and use it on every step; nothing else changes for the caller.
+
+Layout and ownership: every batch of reports is written from the region's start, each
+report's range at the next multiple of :data:`ALIGNMENT` bytes, packed exactly as its inline
+``scores`` bytes would be. The daemon reads a range until the Decision for the report that
+named it has arrived; a stream sends its next batch only after the previous one's
+decisions, so each batch may reuse the whole region. A report that does not fit in what is
+left goes inline (counted in :attr:`ScoreRegion.inline_reports`).
+
+The object is created with a random name and mode 0600 (so the daemon must run as the same
+user, or root, and see the same /dev/shm), is not handed to multiprocessing's resource
+tracker (which would unlink it behind the batch's back, or warn about it), and is
+unregistered and unlinked by :meth:`ScoreRegion.close` (or, failing that, unlinked when the
+object is collected or the interpreter exits).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import weakref
+from multiprocessing import shared_memory
+from typing import TYPE_CHECKING, Optional
+
+import grpc
+
+from .errors import KvCacheError
+
+if TYPE_CHECKING:
+    from .client import KvCacheClient
+    from .scores import PreparedScores
+
+#: Every report's range starts at a multiple of this many bytes (a cache line; also a
+#: multiple of every score dtype's size).
+ALIGNMENT = 64
+
+
+class ScoreRegion:
+    """One registered shared-memory score region (see the module docstring).
+
+    Not thread-safe: its stream writes one batch at a time (under the stream's lock).
+    """
+
+    def __init__(self, client: "KvCacheClient", byte_size: int) -> None:
+        """Creates the object (``byte_size`` bytes) and registers it with the daemon.
+
+        Raises:
+          ValueError: ``byte_size`` below 1.
+          KvCacheError: FAILED_PRECONDITION when the daemon does not take shared-memory
+            scores (started without --allow_shm_scores); INVALID_ARGUMENT when it cannot
+            open the object (another user, another /dev/shm); RESOURCE_EXHAUSTED past its
+            region limit. Nothing is left behind.
+        """
+        if int(byte_size) < 1:
+            raise ValueError(f"score_region_bytes must be >= 1, got {byte_size}")
+        self.byte_size = int(byte_size)
+        self._shm = _create(self.byte_size)
+        self.name: str = self._shm._name  # type: ignore[attr-defined]  # "/kvcm-...": shm_open's
+        self._finalizer = weakref.finalize(self, _unlink, self.name, os.getpid())
+        self._client = client
+        try:
+            self.region_id = client.register_score_region(self.name, self.byte_size)
+        except BaseException as error:
+            self._release()
+            if (isinstance(error, KvCacheError)
+                    and error.code == grpc.StatusCode.FAILED_PRECONDITION):
+                raise KvCacheError(
+                    error.code,
+                    f"kvcached at {client.address} does not take shared-memory scores: start "
+                    "it with --allow_shm_scores, or make the batch without "
+                    f"score_region_bytes ({error.message})") from None
+            raise
+        self._buf: Optional[memoryview] = self._shm.buf
+        self._cursor = 0
+        self.region_reports = 0   #: reports whose scores went through the region
+        self.inline_reports = 0   #: reports that did not fit and went inline
+        self.high_water_bytes = 0  #: the most bytes one batch used
+        self.closed = False
+
+    # -- one batch at a time ---------------------------------------------------------------
+
+    def begin_batch(self) -> None:
+        """Starts a batch at the region's start. REQUIRES: the previous batch's decisions
+        have all arrived (the daemon is done reading it)."""
+        self._cursor = 0
+
+    def place(self, scores: "PreparedScores") -> Optional[int]:
+        """Writes ``scores`` at the next aligned offset and returns it, or returns None
+        (counted in ``inline_reports``) when they do not fit in what is left."""
+        if self._buf is None:
+            raise KvCacheError(grpc.StatusCode.CANCELLED, f"score region {self.name} is closed")
+        offset = -(-self._cursor // ALIGNMENT) * ALIGNMENT
+        end = offset + scores.nbytes
+        if end > self.byte_size:
+            self.inline_reports += 1
+            return None
+        scores.write_into(self._buf[offset:end])
+        self._cursor = end
+        self.region_reports += 1
+        self.high_water_bytes = max(self.high_water_bytes, end)
+        return offset
+
+    # -- life ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregisters the region (the daemon unmaps it), then unlinks the object. Call it
+        only when no report naming the region awaits its Decision. A daemon that is gone or
+        has already dropped the region (--idle_timeout) is not an error here."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._client.unregister_score_region(self.region_id)
+        except KvCacheError:
+            pass  # NOT_FOUND (dropped), UNAVAILABLE (gone): it holds no mapping of ours
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._buf = None
+        try:
+            self._shm.close()
+        except BufferError:
+            pass  # a view of it is still alive somewhere: the mapping goes with it
+        self._finalizer()  # unlinks, once
+
+    def __enter__(self) -> "ScoreRegion":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ScoreRegion(name={self.name!r}, byte_size={self.byte_size}, "
+                f"region_id={getattr(self, 'region_id', None)}, "
+                f"region_reports={getattr(self, 'region_reports', 0)}, "
+                f"inline_reports={getattr(self, 'inline_reports', 0)})")
+
+
+def _create(byte_size: int) -> shared_memory.SharedMemory:
+    """A new object of a random name, mode 0600, untracked by the resource tracker."""
+    for _ in range(16):
+        name = f"kvcm-{secrets.token_hex(12)}"
+        try:
+            try:
+                return shared_memory.SharedMemory(name=name, create=True, size=byte_size,
+                                                  track=False)  # Python >= 3.13
+            except TypeError:
+                pass
+            shm = shared_memory.SharedMemory(name=name, create=True, size=byte_size)
+        except FileExistsError:
+            continue
+        # Before 3.13 the creator registers it with the resource tracker, which unlinks
+        # (and warns about) what is still registered when the process exits. We unlink it
+        # ourselves, so take it back off the tracker's list.
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return shm
+    raise FileExistsError("no free shared-memory name for a score region after 16 tries")
+
+
+def _unlink(name: str, owner_pid: Optional[int] = None) -> None:
+    """shm_unlink without the resource tracker (which no longer knows the name); nothing
+    in a forked child (``owner_pid`` is the creator's), whose exit must not remove it."""
+    if owner_pid is not None and os.getpid() != owner_pid:
+        return
+    try:
+        import _posixshmem  # CPython's, what SharedMemory itself calls
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
+    except ImportError:  # pragma: no cover - non-CPython
+        try:
+            os.unlink("/dev/shm" + name)
+        except FileNotFoundError:
+            pass

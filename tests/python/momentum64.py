@@ -1,0 +1,100 @@
+"""SPEC.md's per-layer rule in float64, run alongside a daemon's decisions, to check the
+decisions of folded sequences: those are the per-layer rule with other float32 rounding,
+so they need not match bit for bit, but every token evicted at a step must have a
+per-layer momentum not above any kept unprotected token's, within a relative 2e-4."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from golden import Trace
+
+SCORING = ("ema", "cumulative", "single_step")
+RELATIVE = 2e-4
+
+
+def budget(header: Dict[str, Any]) -> int:
+    if "budget_tokens" in header:
+        return header["budget_tokens"]
+    return max(1, int((1 - header["compression_ratio"]) * header["prefill_len"] + 1e-9))
+
+
+class PerLayerMomentum:
+    """The momentum of every cached token under the per-layer rule, in float64, following
+    the cache the daemon's decisions leave."""
+
+    def __init__(self, trace: Trace) -> None:
+        policy = trace.header["policy"]
+        self.aggregation = policy.get("aggregation", "ema")
+        self.alpha = policy.get("alpha", 0.8)
+        self.refresh = policy.get("refresh", "every_step")
+        self.interval = policy.get("refresh_interval", 4)
+        self.sinks = policy.get("protect_sinks", 0)
+        self.recent = policy.get("protect_recent", 0)
+        self.prefill = trace.header["prefill_len"]
+        self.budget = budget(trace.header)
+        self.cache: List[int] = list(range(self.prefill))
+        self.momentum: Dict[int, float] = {p: 0.0 for p in self.cache}
+        self.worst_margin = float("inf")  # the smallest relative gap seen (negative: inverted)
+
+    def scoring(self, step: int) -> bool:
+        if self.aggregation not in SCORING:
+            return False
+        if self.refresh == "lazy":
+            return (step - 1) % self.interval == 0
+        if self.refresh == "score_free":
+            return step == 1
+        return True
+
+    def step(self, step: int, layers: Optional[List[List[float]]],
+             decision: Dict[str, Any]) -> float:
+        """Applies step ``step`` (its per-layer rows) and checks the daemon's ``decision``
+        against the float64 momentum; returns the step's relative margin (the gap between
+        the highest evicted and the lowest kept unprotected momentum; inf when nothing
+        competed)."""
+        new = self.prefill + step - 1
+        scoring = self.scoring(step)
+        m = self.momentum
+        if scoring:
+            m[new] = 0.0
+        else:
+            m[new] = sum(m[p] for p in self.cache) / len(self.cache) if self.cache else 0.0
+        self.cache.append(new)
+        if scoring:
+            assert layers, f"step {step} is a scoring step and the trace has no scores"
+            assert all(len(row) == len(self.cache) for row in layers)
+            if self.aggregation == "single_step":
+                for i, p in enumerate(self.cache):
+                    m[p] = sum(row[i] for row in layers) / len(layers)
+            for row in layers if self.aggregation != "single_step" else ():
+                for i, p in enumerate(self.cache):
+                    if self.aggregation == "ema":
+                        m[p] = self.alpha * m[p] + (1 - self.alpha) * row[i]
+                    else:
+                        m[p] = m[p] + row[i]
+        evicted = decision["evicted"]
+        where = f"step {step}"
+        assert evicted == sorted(set(evicted)), f"{where}: evicted {evicted} not ascending"
+        assert set(evicted) <= set(self.cache), f"{where}: evicted uncached {evicted}"
+        protected = {p for p in self.cache if p < self.sinks}
+        if self.recent:
+            protected |= set(self.cache[-self.recent:])
+        assert not protected & set(evicted), f"{where}: evicted protected tokens"
+        gone = set(evicted)
+        self.cache = [p for p in self.cache if p not in gone]
+        assert len(self.cache) == decision["cache_size"] == min(self.budget, len(self.cache)
+                                                                + len(gone)), where
+        kept = [m[p] for p in self.cache if p not in protected]
+        margin = float("inf")
+        if evicted and kept:
+            high = max(m[p] for p in evicted)
+            low = min(kept)
+            scale = max(abs(high), abs(low))
+            margin = (low - high) / scale if scale else 0.0
+            assert high <= low + RELATIVE * scale, (
+                f"{where}: evicted a token of per-layer momentum {high!r} while keeping "
+                f"one of {low!r} (relative {margin:.3g}, allowed -{RELATIVE})")
+        for p in gone:
+            del m[p]
+        self.worst_margin = min(self.worst_margin, margin)
+        return margin
