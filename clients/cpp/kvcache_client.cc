@@ -220,4 +220,21 @@ void SetScores(v1::StepReport* report, std::span<const float> scores, int32_t la
 
 v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype) { return wire::ToProto(dtype); }
 
+absl::StatusOr<std::vector<float>> FoldScores(std::span<const float> rows,
+                                              const v1::FoldWeights& weights) {
+  const auto layers = static_cast<size_t>(weights.layer_weights_size());
+  if (layers == 0 || rows.size() % layers != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FoldScores: ", rows.size(), " scores are not whole rows of ", layers, " layers"));
+  }
+  const size_t tokens = rows.size() / layers;
+  std::vector<double> sum(tokens, 0.0);
+  for (size_t l = 0; l < layers; ++l) {
+    const double w = weights.layer_weights(static_cast<int>(l));
+    const float* row = rows.data() + l * tokens;
+    for (size_t i = 0; i < tokens; ++i) sum[i] += w * static_cast<double>(row[i]);
+  }
+  return std::vector<float>(sum.begin(), sum.end());
+}
+
 }  // namespace kvcm::client

@@ -7,6 +7,10 @@
 //   SetFloat32Scores(AddReport(&batch, "req-1", 1), scores, layers);
 //   auto decisions = (*stream)->Step(batch);            // one Decision per report
 //
+// On the daemon's node, a ScoreRegion (clients/cpp/score_region.h) carries the scores in
+// shared memory instead of the request; a FOLDED sequence takes one row per step
+// (FoldScores below) instead of one per layer.
+//
 // KvCacheClient is thread-safe; a StepStream carries one batch at a time (one per worker
 // rank, used from one thread). Errors are absl::Status with the daemon's message.
 #ifndef KVCM_CLIENTS_CPP_KVCACHE_CLIENT_H_
@@ -110,6 +114,15 @@ void SetScores(v1::StepReport* report, std::span<const float> scores, int32_t la
                kernels::ScoreDtype dtype, int32_t head_count = 0);
 // The wire value of an engine dtype.
 v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype);
+
+// Folded layout (docs/SPEC.md, "Folded reports"): a sequence opened with
+// set_score_layout(SCORE_LAYOUT_FOLDED) and set_layers(K) takes one row per scoring step,
+// its K layer rows folded with the weights the daemon returns in SequenceState.fold_weights:
+//   row[i] = sum over l of weights.layer_weights(l) * rows[l * tokens + i], in double.
+// rows: [K, tokens] f32 host (a tensor-parallel rank: its head sums). Returns [tokens] f32;
+// send it with layers = 1. INVALID_ARGUMENT when rows is not K whole rows.
+absl::StatusOr<std::vector<float>> FoldScores(std::span<const float> rows,
+                                              const v1::FoldWeights& weights);
 
 // The daemon's grpc::Status as an absl::Status (same code and message).
 absl::Status FromGrpc(const grpc::Status& status);

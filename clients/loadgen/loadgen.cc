@@ -230,11 +230,14 @@ class EmbeddedRunner : public BatchRunner {
 
   absl::StatusOr<int64_t> Step(int64_t step, std::vector<bool>& needs, int64_t* evicted) override {
     const bool first = step == 1;
-    const std::string& blob = first ? in_.first : in_.steady;
-    const kernels::ScoreMatrix scores = kernels::ScoreMatrix::Dense(
-        blob.data(), o_.dtype, in_.rows, first ? o_.context + 1 : in_.steady_tokens);
+    // Each sequence reads its own copy of the steady scores, as the daemon does (every
+    // report's bytes are its own): the same memory traffic, not one block kept hot.
+    if (steady_.size() != ids_.size()) steady_.assign(ids_.size(), in_.steady);
     int64_t bytes = 0;
     for (size_t i = 0; i < ids_.size(); ++i) {
+      const std::string& blob = first ? in_.first : steady_[i];
+      const kernels::ScoreMatrix scores = kernels::ScoreMatrix::Dense(
+          blob.data(), o_.dtype, in_.rows, first ? o_.context + 1 : in_.steady_tokens);
       RETURN_IF_ERROR(table_->Step(ids_[i], step, needs[i] ? &scores : nullptr, &decision_));
       needs[i] = decision_.next_needs_scores;
       *evicted += static_cast<int64_t>(decision_.evicted.size());
@@ -253,6 +256,7 @@ class EmbeddedRunner : public BatchRunner {
   const Inputs& in_;
   SequenceTable* const table_;
   std::vector<std::string> ids_;
+  std::vector<std::string> steady_;  // one copy per sequence
   EvictionDecision decision_;
 };
 
