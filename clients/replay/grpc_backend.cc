@@ -1,11 +1,14 @@
 #include "clients/replay/grpc_backend.h"
 
+#include <algorithm>
+#include <span>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "cache_manager/status_macros.h"
 #include "clients/cpp/kvcache_client.h"
+#include "clients/cpp/score_region.h"
 
 namespace kvcm::replay {
 namespace {
@@ -87,7 +90,8 @@ SequenceInfo FromState(const v1::SequenceState& s) {
 
 class GrpcBackend : public ReplayBackend {
  public:
-  explicit GrpcBackend(std::unique_ptr<client::KvCacheClient> client) : client_(std::move(client)) {}
+  GrpcBackend(std::unique_ptr<client::KvCacheClient> client, ScoreTransport transport)
+      : client_(std::move(client)), transport_(transport) {}
 
   absl::Status Open(const std::string& id, const SequenceOptions& options,
                     int32_t tp_ranks) override {
@@ -97,6 +101,8 @@ class GrpcBackend : public ReplayBackend {
       ASSIGN_OR_RETURN(std::unique_ptr<client::StepStream> stream, client_->OpenStepStream());
       streams_.push_back(std::move(stream));
     }
+    // A rank keeps its region across sequences (a backend replays one at a time).
+    regions_.resize(static_cast<size_t>(tp_ranks));
     return absl::OkStatus();
   }
 
@@ -112,11 +118,12 @@ class GrpcBackend : public ReplayBackend {
       v1::StepReport* report = client::AddReport(&batch, id, step.step);
       if (step.layers > 0) {
         if (ranks == 1) {
-          client::SetFloat32Scores(report, step.scores, static_cast<int32_t>(step.layers));
+          RETURN_IF_ERROR(SetScores(rank, step.scores, static_cast<int32_t>(step.layers),
+                                    /*head_count=*/0, report));
         } else {
           SplitIntoRankPartial(step, rank, &partial_);
-          client::SetFloat32Scores(report, partial_, static_cast<int32_t>(step.layers),
-                                   static_cast<int32_t>(SimulatedHeadsOfRank(rank)));
+          RETURN_IF_ERROR(SetScores(rank, partial_, static_cast<int32_t>(step.layers),
+                                    static_cast<int32_t>(SimulatedHeadsOfRank(rank)), report));
         }
       }
       RETURN_IF_ERROR(streams_[static_cast<size_t>(rank)]->Send(batch));
@@ -130,6 +137,7 @@ class GrpcBackend : public ReplayBackend {
       }
       received.push_back(reply.decisions(0));
     }
+    // From here every rank's region may be written again (ScoreRef's ownership rule).
     for (const v1::Decision& d : received) RETURN_IF_ERROR(client::DecisionStatus(d));
     for (const v1::Decision& d : received) {
       if (d.evicted_size() != received[0].evicted_size() ||
@@ -158,19 +166,46 @@ class GrpcBackend : public ReplayBackend {
   }
 
  private:
+  // Puts `scores` ([layers, tokens] f32, host) into `report`: inline, or into `rank`'s
+  // score region (created, or re-created larger, when they do not fit) and referenced.
+  absl::Status SetScores(int32_t rank, std::span<const float> scores, int32_t layers,
+                         int32_t head_count, v1::StepReport* report) {
+    if (transport_ == ScoreTransport::kGrpc) {
+      client::SetFloat32Scores(report, scores, layers, head_count);
+      return absl::OkStatus();
+    }
+    const std::span<const std::byte> packed = std::as_bytes(scores);
+    std::unique_ptr<client::ScoreRegion>& region = regions_[static_cast<size_t>(rank)];
+    const auto need = static_cast<int64_t>(packed.size());
+    if (region == nullptr || region->size() < need) {
+      // The daemon no longer reads the old region: the last step's decisions are in.
+      // Doubling keeps a trace whose cache grows from re-creating it at every step.
+      const int64_t size =
+          std::max(need, region == nullptr ? kMinRegionBytes : 2 * region->size());
+      region.reset();
+      ASSIGN_OR_RETURN(region, client::ScoreRegion::Create(*client_, size));
+    }
+    return region->Put(report, /*offset=*/0, packed, layers, kernels::ScoreDtype::kFloat32,
+                       head_count);
+  }
+
+  static constexpr int64_t kMinRegionBytes = 1 << 20;
+
   std::unique_ptr<client::KvCacheClient> client_;
+  const ScoreTransport transport_;
   std::vector<std::unique_ptr<client::StepStream>> streams_;
+  std::vector<std::unique_ptr<client::ScoreRegion>> regions_;  // [ranks], transport shm
   std::vector<float> partial_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const std::string& address) {
-  client::ClientOptions options;
-  options.address = address;
+absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const GrpcBackendOptions& options) {
+  client::ClientOptions client_options;
+  client_options.address = options.address;
   ASSIGN_OR_RETURN(std::unique_ptr<client::KvCacheClient> client,
-                   client::KvCacheClient::Connect(options));
-  return std::unique_ptr<ReplayBackend>(new GrpcBackend(std::move(client)));
+                   client::KvCacheClient::Connect(client_options));
+  return std::unique_ptr<ReplayBackend>(new GrpcBackend(std::move(client), options.transport));
 }
 
 }  // namespace kvcm::replay

@@ -4,12 +4,14 @@
 //   kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary]
 //   kvcache-replay --trace FILE --compare inertia,tova,...   (a per-policy table)
 //   kvcache-replay --trace FILE --server 127.0.0.1:50051 [--tp N]  (through kvcached)
+//   kvcache-replay --trace FILE --server ADDR --transport shm  (scores in shared memory)
 //   kvcache-replay --trace FILE --folded [--server ADDR]  (one folded row per step)
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr naming the file line and
 // step), 1 on other failures.
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,11 +19,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
+#include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_backend.h"
 #include "clients/replay/replay_run.h"
-#ifdef KVCM_REPLAY_HAS_GRPC
-#include "clients/replay/grpc_backend.h"
-#endif
 
 ABSL_FLAG(std::string, trace, "", "kvtrace/1 file to replay (required)");
 ABSL_FLAG(std::string, out, "", "write decisions here instead of stdout");
@@ -38,6 +38,10 @@ ABSL_FLAG(std::string, policy, "", "replace the trace's policy with this preset"
 ABSL_FLAG(std::string, server, "",
           "replay through the kvcached at this address instead of the embedded engine "
           "(with --tp N: N concurrent rank streams)");
+ABSL_FLAG(std::string, transport, "grpc",
+          "with --server, how the scores travel: grpc (inline in each report) or shm (in a "
+          "shared-memory score region per rank stream that the reports reference; kvcached "
+          "must run on this node with --allow_shm_scores)");
 ABSL_FLAG(std::string, compare, "",
           "comma-separated presets (or 'all'): replay the trace under each and print a "
           "per-policy table instead of decisions");
@@ -49,13 +53,15 @@ int Fail(const absl::Status& status) {
   return kvcm::replay::ExitCodeFor(status);
 }
 
-// The embedded engine, or the daemon named by --server.
-absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend() {
+// The embedded engine, or the daemon named by --server (scores sent over `transport`).
+absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend(
+    kvcm::replay::ScoreTransport transport) {
   const std::string server = absl::GetFlag(FLAGS_server);
   if (server.empty()) return kvcm::replay::NewEmbeddedBackend();
 #ifdef KVCM_REPLAY_HAS_GRPC
-  return kvcm::replay::NewGrpcBackend(server);
+  return kvcm::replay::NewGrpcBackend({.address = server, .transport = transport});
 #else
+  (void)transport;
   return absl::UnimplementedError("this kvcache-replay was built without gRPC (--server)");
 #endif
 }
@@ -66,6 +72,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "replays a kvtrace/1 file through the eviction engine.\n"
       "  kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary] [--folded]\n"
+      "  kvcache-replay --trace FILE --server ADDR [--transport grpc|shm] [--tp N] [--folded]\n"
       "  kvcache-replay --trace FILE --compare inertia,inertia_lazy4,score_free,tova");
   absl::ParseCommandLine(argc, argv);
   using kvcm::replay::ReplayOptions;
@@ -82,6 +89,18 @@ int main(int argc, char** argv) {
   if (options.tp_ranks < 1) {
     return Fail(absl::InvalidArgumentError("--tp must be >= 1"));
   }
+  const std::string transport_name = absl::GetFlag(FLAGS_transport);
+  const std::optional<kvcm::replay::ScoreTransport> transport =
+      kvcm::replay::ParseScoreTransport(transport_name);
+  if (!transport) {
+    return Fail(absl::InvalidArgumentError(
+        "--transport is '" + transport_name + "'; it must be grpc or shm"));
+  }
+  if (*transport != kvcm::replay::ScoreTransport::kGrpc && absl::GetFlag(FLAGS_server).empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--transport " + transport_name + " needs --server (the embedded engine reads the "
+        "trace's scores directly)"));
+  }
 
   const std::string compare = absl::GetFlag(FLAGS_compare);
   if (!compare.empty()) {
@@ -94,7 +113,8 @@ int main(int argc, char** argv) {
     std::vector<ReplaySummary> rows;
     for (const std::string& preset : presets) {
       options.preset = preset;
-      absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> backend = MakeBackend();
+      absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> backend =
+          MakeBackend(*transport);
       if (!backend.ok()) return Fail(backend.status());
       absl::StatusOr<ReplaySummary> summary = kvcm::replay::RunReplay(options, **backend);
       if (!summary.ok()) return Fail(summary.status());
@@ -116,7 +136,7 @@ int main(int argc, char** argv) {
   } else {
     options.decisions = &std::cout;
   }
-  absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> backend = MakeBackend();
+  absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> backend = MakeBackend(*transport);
   if (!backend.ok()) return Fail(backend.status());
   absl::StatusOr<ReplaySummary> summary = kvcm::replay::RunReplay(options, **backend);
   if (!summary.ok()) return Fail(summary.status());

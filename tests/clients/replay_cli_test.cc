@@ -290,5 +290,34 @@ TEST_F(ReplayCliTest, UsageErrors) {
   EXPECT_THAT(r.err, HasSubstr("cannot open"));
 }
 
+TEST_F(ReplayCliTest, TransportMustBeGrpcOrShmAndShmNeedsAServer) {
+  const std::string trace = GoldenDir() + "/ema_lazy4.trace.jsonl";
+  // Refused before anything is replayed or connected to.
+  Result r = Run("--trace " + trace + " --server 127.0.0.1:1 --transport tcp");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--transport is 'tcp'; it must be grpc or shm"));
+  EXPECT_TRUE(r.out.empty());
+  r = Run("--trace " + trace + " --transport SHM");  // names are case-sensitive
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--transport is 'SHM'"));
+  r = Run("--trace " + trace + " --transport shm");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--transport shm needs --server"));
+  EXPECT_TRUE(r.out.empty());
+  // The default and an explicit grpc replay the embedded engine as before.
+  const std::string want = ReadFile(GoldenDir() + "/ema_lazy4.decisions.jsonl");
+  r = Run("--trace " + trace + " --transport grpc");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, want);
+}
+
+TEST_F(ReplayCliTest, HelpNamesTheTransports) {
+  const Result r = Run("--help=transport");
+  EXPECT_THAT(r.out + r.err, HasSubstr("--server ADDR [--transport grpc|shm]"));
+  EXPECT_THAT(r.out + r.err, HasSubstr("--allow_shm_scores"));
+  EXPECT_THAT(r.out + r.err, HasSubstr("default: \"grpc\""));
+}
+
 }  // namespace
 }  // namespace kvcm

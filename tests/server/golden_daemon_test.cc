@@ -1,6 +1,17 @@
-// Every golden vector through a real kvcached, from C++: single rank and tensor-parallel.
+// Every golden vector through a real kvcached, from C++: single rank and tensor-parallel,
+// with the scores inline (grpc) and in shared-memory score regions (shm), per-layer and
+// folded, and with one or several engine threads.
+#include <csignal>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cache_manager/status_macros.h"
 #include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_run.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/clients/golden.h"
 #include "tests/server/daemon_process.h"
@@ -8,10 +19,46 @@
 namespace kvcm {
 namespace {
 
+using replay::ScoreTransport;
+using ::testing::HasSubstr;
+
+struct Replay {
+  std::string golden;
+  std::string sequence_id;
+  int32_t tp = 1;
+  bool folded = false;
+  bool momentum = false;
+};
+
+// The decisions (JSON Lines) of one replay of a golden trace through `backend`.
+absl::StatusOr<std::string> RunGolden(const Replay& r, replay::ReplayBackend& backend) {
+  replay::ReplayOptions options;
+  options.trace_path = testing::GoldenDir() + "/" + r.golden + ".trace.jsonl";
+  options.sequence_id = r.sequence_id;
+  options.tp_ranks = r.tp;
+  options.folded = r.folded;
+  options.with_momentum = r.momentum;
+  std::ostringstream out;
+  options.decisions = &out;
+  RETURN_IF_ERROR(replay::RunReplay(options, backend).status());
+  return out.str();
+}
+
+absl::StatusOr<std::string> RunGoldenThroughDaemon(const Replay& r, const std::string& address,
+                                                   ScoreTransport transport) {
+  ASSIGN_OR_RETURN(std::unique_ptr<replay::ReplayBackend> backend,
+                   replay::NewGrpcBackend({.address = address, .transport = transport}));
+  return RunGolden(r, *backend);
+}
+
+std::string Want(const std::string& golden) {
+  return testing::ReadFile(testing::GoldenDir() + "/" + golden + ".decisions.jsonl");
+}
+
 class GoldenThroughDaemonTest : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
-    auto d = testing::DaemonProcess::Start();
+    auto d = testing::DaemonProcess::Start({"--allow_shm_scores"});
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = d->release();
   }
@@ -19,31 +66,117 @@ class GoldenThroughDaemonTest : public ::testing::TestWithParam<std::string> {
     EXPECT_EQ(daemon_->SignalAndWait(SIGTERM, absl::Seconds(30)), 0);
     delete daemon_;
   }
+
+  // Score bytes the daemon received over `transport`, so far.
+  static double ScoreBytes(ScoreTransport transport) {
+    absl::StatusOr<std::string> text = testing::HttpGet(daemon_->metrics_address(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    return testing::MetricValue(
+        text.ok() ? *text : "",
+        absl::StrCat(R"(kvcache_score_bytes_total{dtype="float32",transport=")",
+                     replay::ScoreTransportName(transport), R"("})"));
+  }
+
   static testing::DaemonProcess* daemon_;
 };
 testing::DaemonProcess* GoldenThroughDaemonTest::daemon_ = nullptr;
 
-TEST_P(GoldenThroughDaemonTest, MatchesExactlyAloneAndAcrossRanks) {
-  const std::string want =
-      testing::ReadFile(testing::GoldenDir() + "/" + GetParam() + ".decisions.jsonl");
-  for (int32_t tp : {1, 2, 4}) {
-    replay::ReplayOptions options;
-    options.trace_path = testing::GoldenDir() + "/" + GetParam() + ".trace.jsonl";
-    options.sequence_id = GetParam() + "-tp" + std::to_string(tp);
-    options.tp_ranks = tp;
-    std::ostringstream out;
-    options.decisions = &out;
-    auto backend = replay::NewGrpcBackend(daemon_->grpc_address());
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    absl::StatusOr<replay::ReplaySummary> summary = replay::RunReplay(options, **backend);
-    ASSERT_TRUE(summary.ok()) << summary.status();
-    EXPECT_EQ(out.str(), want) << "tp " << tp;
+TEST_P(GoldenThroughDaemonTest, MatchesExactlyOverBothTransportsAloneAndAcrossRanks) {
+  const std::string want = Want(GetParam());
+  double grpc_bytes = 0;  // what the grpc runs sent inline; the shm runs must send as much
+  for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm}) {
+    const double inline_before = ScoreBytes(ScoreTransport::kGrpc);
+    const double shm_before = ScoreBytes(ScoreTransport::kShm);
+    for (int32_t tp : {1, 2, 4}) {
+      const Replay r{.golden = GetParam(),
+                     .sequence_id = absl::StrCat(GetParam(), "-tp", tp, "-",
+                                                 replay::ScoreTransportName(transport)),
+                     .tp = tp};
+      absl::StatusOr<std::string> got =
+          RunGoldenThroughDaemon(r, daemon_->grpc_address(), transport);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, want) << "tp " << tp << ", transport "
+                            << replay::ScoreTransportName(transport);
+    }
+    const double inline_sent = ScoreBytes(ScoreTransport::kGrpc) - inline_before;
+    const double shm_sent = ScoreBytes(ScoreTransport::kShm) - shm_before;
+    if (transport == ScoreTransport::kGrpc) {
+      EXPECT_EQ(shm_sent, 0);
+      grpc_bytes = inline_sent;
+    } else {
+      // Every score byte went through the regions, none inline.
+      EXPECT_EQ(inline_sent, 0);
+      EXPECT_EQ(shm_sent, grpc_bytes);
+    }
+  }
+}
+
+// The folded layout over the daemon decides exactly as the embedded engine folds.
+TEST_P(GoldenThroughDaemonTest, FoldedDecidesLikeTheEmbeddedEngineFolded) {
+  for (int32_t tp : {1, 2}) {
+    Replay r{.golden = GetParam(), .sequence_id = "", .tp = tp, .folded = true, .momentum = true};
+    std::unique_ptr<replay::ReplayBackend> embedded = replay::NewEmbeddedBackend();
+    r.sequence_id = absl::StrCat(GetParam(), "-folded-embedded-tp", tp);
+    absl::StatusOr<std::string> want = RunGolden(r, *embedded);
+    ASSERT_TRUE(want.ok()) << want.status();
+    for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm}) {
+      r.sequence_id = absl::StrCat(GetParam(), "-folded-tp", tp, "-",
+                                   replay::ScoreTransportName(transport));
+      absl::StatusOr<std::string> got =
+          RunGoldenThroughDaemon(r, daemon_->grpc_address(), transport);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, *want) << "tp " << tp << ", transport "
+                             << replay::ScoreTransportName(transport);
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllGoldenVectors, GoldenThroughDaemonTest,
                          ::testing::ValuesIn(testing::GoldenNames()),
                          [](const auto& test_param) { return test_param.param; });
+
+TEST(GoldenShmTransportTest, NeedsADaemonThatAllowsShmScores) {
+  auto daemon = testing::DaemonProcess::Start();
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  absl::StatusOr<std::string> got = RunGoldenThroughDaemon(
+      {.golden = "ema_every_step", .sequence_id = "shm-refused"}, (*daemon)->grpc_address(),
+      ScoreTransport::kShm);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("ema_every_step.trace.jsonl:2:"));
+  EXPECT_THAT(got.status().message(), HasSubstr("--allow_shm_scores"));
+}
+
+// Every golden at 1, 2 and 4 ranks, all at once, through daemons with one and with three
+// engine threads: the sequences share the threads, each stays pinned to one, and each
+// one's steps are decided in order (every decision exact).
+TEST(GoldenEngineThreadsTest, PinningKeepsEverySequencesOrder) {
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE(absl::StrCat("--engine_threads=", threads));
+    auto daemon = testing::DaemonProcess::Start({absl::StrCat("--engine_threads=", threads)});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    std::vector<Replay> replays;
+    for (const std::string& golden : testing::GoldenNames()) {
+      for (int32_t tp : {1, 2, 4}) {
+        replays.push_back(
+            {.golden = golden, .sequence_id = absl::StrCat(golden, "-tp", tp), .tp = tp});
+      }
+    }
+    std::vector<absl::StatusOr<std::string>> got(replays.size(), std::string());
+    std::vector<std::thread> workers;
+    for (size_t i = 0; i < replays.size(); ++i) {
+      workers.emplace_back([&, i] {
+        got[i] = RunGoldenThroughDaemon(replays[i], (*daemon)->grpc_address(),
+                                        ScoreTransport::kGrpc);
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    for (size_t i = 0; i < replays.size(); ++i) {
+      ASSERT_TRUE(got[i].ok()) << replays[i].sequence_id << ": " << got[i].status();
+      EXPECT_EQ(*got[i], Want(replays[i].golden)) << replays[i].sequence_id;
+    }
+    EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(30)), 0);
+  }
+}
 
 }  // namespace
 }  // namespace kvcm

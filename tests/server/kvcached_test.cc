@@ -1,7 +1,6 @@
 // kvcached on loopback, driven by the C++ client: every RPC, every rejected input, tensor-
 // parallel ranks, disconnects, limits, health, metrics and the SIGTERM drain.
 #include <csignal>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,15 +12,14 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "kernels/half_float.h"
-#include "tests/server/daemon_process.h"
+#include "tests/server/daemon_test.h"
 
 namespace kvcm {
 namespace {
 
 namespace v1 = ::kvcache::v1;
-using ::kvcm::testing::DaemonProcess;
-using ::kvcm::testing::HttpGet;
 using ::kvcm::testing::MetricValue;
+using ::kvcm::testing::Scores;
 using ::testing::HasSubstr;
 
 constexpr int kOk = 0;
@@ -29,35 +27,10 @@ constexpr int kInvalidArgument = 3;
 constexpr int kNotFound = 5;
 constexpr int kFailedPrecondition = 9;
 
-class KvcachedTest : public ::testing::Test {
+class KvcachedTest : public testing::DaemonTest {
  protected:
-  void StartDaemon(const std::vector<std::string>& flags = {}) {
-    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(flags);
-    ASSERT_TRUE(d.ok()) << d.status();
-    daemon_ = *std::move(d);
-    client_ = daemon_->Connect();
-    ASSERT_NE(client_, nullptr);
-  }
   void SetUp() override { StartDaemon(); }
-
-  std::string Metrics() {
-    absl::StatusOr<std::string> text = HttpGet(daemon_->metrics_address(), "/metrics");
-    EXPECT_TRUE(text.ok()) << text.status();
-    return text.ok() ? *text : "";
-  }
-
-  std::unique_ptr<DaemonProcess> daemon_;
-  std::unique_ptr<client::KvCacheClient> client_;
 };
-
-// Scores for a cache of `tokens` (after adding the new token), layer-major, seeded.
-std::vector<float> Scores(int32_t layers, int64_t tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  std::vector<float> s(static_cast<size_t>(layers * tokens));
-  for (float& v : s) v = u(rng);
-  return s;
-}
 
 TEST_F(KvcachedTest, OpenInspectListAndClose) {
   absl::StatusOr<v1::SequenceState> opened =

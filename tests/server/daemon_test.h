@@ -1,0 +1,52 @@
+// DaemonTest: a gtest fixture that holds a real kvcached (DaemonProcess) and a C++ client
+// of it, and the helpers the integration tests share.
+#ifndef KVCM_TESTS_SERVER_DAEMON_TEST_H_
+#define KVCM_TESTS_SERVER_DAEMON_TEST_H_
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/server/daemon_process.h"
+
+namespace kvcm::testing {
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  // Starts kvcached with `flags` (reset daemon_ first to replace a running one) and
+  // connects client_ to it.
+  void StartDaemon(const std::vector<std::string>& flags = {}) {
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(flags);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    client_ = daemon_->Connect();
+    ASSERT_NE(client_, nullptr);
+  }
+
+  // The daemon's /metrics text ("" when it cannot be read, which fails the test).
+  std::string Metrics() {
+    absl::StatusOr<std::string> text = HttpGet(daemon_->metrics_address(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.ok() ? *text : "";
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<client::KvCacheClient> client_;
+};
+
+// Scores for a cache of `tokens` (after adding the new token): [layers, tokens] f32,
+// uniform in [0, 1), the same for the same seed.
+inline std::vector<float> Scores(int32_t layers, int64_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> s(static_cast<size_t>(layers * tokens));
+  for (float& v : s) v = u(rng);
+  return s;
+}
+
+}  // namespace kvcm::testing
+
+#endif  // KVCM_TESTS_SERVER_DAEMON_TEST_H_
