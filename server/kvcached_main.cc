@@ -87,8 +87,13 @@ int main(int argc, char** argv) {
   // map each one fresh and hand it back, page-faulting it in again on every batch (a
   // fifth of the daemon's CPU under load); keep such memory in the heap instead.
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
-  mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  mallopt(M_TRIM_THRESHOLD, 128 << 20);
   mallopt(M_TOP_PAD, 64 << 20);
+  // With the heap kept, every malloc arena holds on to the megabyte buffers that passed
+  // through it: a stream flooding 1 MiB batches peaked above 200 MB of RSS with glibc's
+  // default of 8 arenas per core, and stays near 100 MB with two. The step path itself
+  // allocates nothing in steady state, so few arenas cost it no contention.
+  mallopt(M_ARENA_MAX, 2);
 
   // Block the stop signals in every thread (gRPC's included) and wait for them here.
   sigset_t stop_signals;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -497,6 +498,8 @@ TEST_F(StepPathTest, RepliesNobodyReadsDoNotGrowTheDaemon) {
   report->set_scores(std::string(size_t{1} << 20, '\0'));
   report->set_layers(1);
   const Flood flood = FloodWithoutReading(*daemon_, batch, kFloodBatches);
+  std::printf("flood: %d batches written, daemon VmRSS peaked at %lld MiB\n",
+              static_cast<int>(flood.written), static_cast<long long>(flood.max_rss >> 20));
   EXPECT_GT(flood.written, 4);
   EXPECT_GT(flood.max_rss, 0);
   EXPECT_LT(flood.max_rss, kRssLimit) << "max VmRSS " << (flood.max_rss >> 20) << " MiB";
