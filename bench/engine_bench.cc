@@ -8,15 +8,29 @@
 //   BM_EngineStep/first_step_64k  step 1 of a 64k-token prefill: one large eviction
 //   BM_EngineStep/lazy_skip    a non-scoring step of inertia_lazy4 at the same budget
 //   BM_TableStep/steady        the steady step through SequenceTable (lookup and lock)
+//   BM_EngineStep/steady_diagnostics, BM_TableStep/steady_diagnostics
+//                              the same two steady steps with the eviction-quality
+//                              diagnostics on every step (every 1, sample 1): their cost
+//   BM_TableStep/steady_events the steady table step with a KvEventLog attached (no
+//                              subscriber): the cost of publishing its events
+//   BM_TableStep/steady_watched  the same with one subscriber reading on another thread,
+//                              woken by the appends (a condition variable)
 //
 // Run: build/bin/kvcache-bench --benchmark_repetitions=5 --benchmark_report_aggregates_only
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "cache_manager/kv_events.h"
 #include "cache_manager/sequence.h"
 #include "cache_manager/sequence_table.h"
 #include "kernels/cpu/hot_loops.h"
@@ -50,9 +64,11 @@ SequenceOptions Options(const char* preset) {
   return o;
 }
 
-// A sequence past its first step: the cache holds exactly the budget.
-std::unique_ptr<Sequence> SteadySequence(const char* preset) {
+// A sequence past its first step: the cache holds exactly the budget. `diagnostics`:
+// eviction-quality diagnostics on every scoring step.
+std::unique_ptr<Sequence> SteadySequence(const char* preset, bool diagnostics = false) {
   auto s = *Sequence::Create("bench", Options(preset));
+  if (diagnostics) s->EnableDiagnostics(1);
   const std::vector<float> first = RandomScores(kLayers, kContext + 1, 1);
   const auto m = kernels::ScoreMatrix::Dense(first.data(), kernels::ScoreDtype::kFloat32, kLayers,
                                              kContext + 1);
@@ -124,9 +140,9 @@ void BM_Kernel_SelectLowestOne(benchmark::State& state) {
 }
 BENCHMARK(BM_Kernel_SelectLowestOne);
 
-template <kernels::ScoreDtype kDtype>
+template <kernels::ScoreDtype kDtype, bool kDiagnostics = false>
 void BM_EngineStepSteady(benchmark::State& state) {
-  auto s = SteadySequence("inertia");
+  auto s = SteadySequence("inertia", kDiagnostics);
   const int64_t tokens = s->cache_size() + 1;
   const std::vector<float> scores = RandomScores(kLayers, tokens, 3);
   std::vector<uint16_t> half;
@@ -138,15 +154,23 @@ void BM_EngineStepSteady(benchmark::State& state) {
   const auto m = kernels::ScoreMatrix::Dense(data, kDtype, kLayers, tokens);
   EvictionDecision d;
   int64_t t = 2;
+  int64_t measured = 0;
   for (auto _ : state) {
     if (!s->Step(t++, &m, &d).ok()) state.SkipWithError("step failed");
+    if constexpr (kDiagnostics) measured += d.diagnostics.measured ? 1 : 0;
     benchmark::DoNotOptimize(d.evicted.data());
   }
   state.SetBytesProcessed(state.iterations() * kLayers * tokens *
                           static_cast<int64_t>(kernels::ScoreDtypeSize(kDtype)));
+  if constexpr (kDiagnostics) {
+    state.counters["measured"] = static_cast<double>(measured) /
+                                 static_cast<double>(std::max<int64_t>(1, state.iterations()));
+  }
 }
 BENCHMARK(BM_EngineStepSteady<kernels::ScoreDtype::kFloat32>)->Name("BM_EngineStep/steady");
 BENCHMARK(BM_EngineStepSteady<kernels::ScoreDtype::kFloat16>)->Name("BM_EngineStep/steady_f16");
+BENCHMARK(BM_EngineStepSteady<kernels::ScoreDtype::kFloat32, true>)
+    ->Name("BM_EngineStep/steady_diagnostics");
 
 void BM_EngineStepFirst(benchmark::State& state) {
   const std::vector<float> scores = RandomScores(kLayers, kContext + 1, 4);
@@ -186,8 +210,14 @@ void BM_EngineStepLazySkip(benchmark::State& state) {
 }
 BENCHMARK(BM_EngineStepLazySkip)->Name("BM_EngineStep/lazy_skip");
 
+// kEvents: 0 no KV event log, 1 a log and no subscriber, 2 a log and one subscriber.
+template <bool kDiagnostics, int kEvents = 0>
 void BM_TableStepSteady(benchmark::State& state) {
-  SequenceTable table;
+  auto log = kEvents > 0 ? std::make_unique<KvEventLog>() : nullptr;  // outlives the table
+  SequenceTableOptions options;
+  if (kDiagnostics) options.diagnostics = {1, 1.0};
+  options.kv_events = log.get();
+  SequenceTable table(options);
   // 64 other sequences in the table, as a loaded daemon would have.
   for (int i = 0; i < 64; ++i) {
     SequenceOptions o;
@@ -205,13 +235,51 @@ void BM_TableStepSteady(benchmark::State& state) {
   const std::vector<float> scores = RandomScores(kLayers, d.cache_size + 1, 3);
   const auto m = kernels::ScoreMatrix::Dense(scores.data(), kernels::ScoreDtype::kFloat32, kLayers,
                                              d.cache_size + 1);
+  // kEvents 2: a subscriber reading on its own thread, sleeping until an append wakes it.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool woken = false;
+  std::atomic<bool> stop{false};
+  std::unique_ptr<KvEventSubscription> subscription;
+  std::thread reader;
+  if constexpr (kEvents == 2) {
+    subscription = *table.SubscribeKvEvents(0, "", "");
+    subscription->SetWakeup([&] {
+      std::lock_guard<std::mutex> lock(mu);
+      woken = true;
+      cv.notify_one();
+    });
+    reader = std::thread([&] {
+      KvEvent e;
+      while (!stop.load()) {
+        if (subscription->Next(&e) == KvEventSubscription::Poll::kEvent) continue;
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait_for(lock, std::chrono::milliseconds(1), [&] { return woken; });
+        woken = false;
+      }
+    });
+  }
   int64_t t = 2;
+  int64_t measured = 0;
   for (auto _ : state) {
     if (!table.Step("bench", t++, &m, &d).ok()) state.SkipWithError("step failed");
+    if constexpr (kDiagnostics) measured += d.diagnostics.measured ? 1 : 0;
     benchmark::DoNotOptimize(d.evicted.data());
   }
+  if constexpr (kEvents == 2) {
+    stop = true;
+    reader.join();
+    subscription.reset();
+  }
+  if constexpr (kDiagnostics) {
+    state.counters["measured"] = static_cast<double>(measured) /
+                                 static_cast<double>(std::max<int64_t>(1, state.iterations()));
+  }
 }
-BENCHMARK(BM_TableStepSteady)->Name("BM_TableStep/steady");
+BENCHMARK(BM_TableStepSteady<false>)->Name("BM_TableStep/steady");
+BENCHMARK(BM_TableStepSteady<true>)->Name("BM_TableStep/steady_diagnostics");
+BENCHMARK(BM_TableStepSteady<false, 1>)->Name("BM_TableStep/steady_events");
+BENCHMARK(BM_TableStepSteady<false, 2>)->Name("BM_TableStep/steady_watched");
 
 }  // namespace
 }  // namespace kvcm

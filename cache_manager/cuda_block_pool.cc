@@ -20,9 +20,9 @@ class CudaKvStorage final : public KvStorage {
  public:
   // Takes ownership of `data` and `stream`, both of `device`.
   CudaKvStorage(int device, void* data, int64_t bytes, cudaStream_t stream,
-                MemoryExport exported)
+                MemoryExport exported, CudaDeviceIdentity identity)
       : device_(device), data_(data), bytes_(bytes), stream_(stream),
-        export_(std::move(exported)) {}
+        export_(std::move(exported)), identity_(std::move(identity)) {}
 
   ~CudaKvStorage() override {
     ScopedDevice on_device(device_);
@@ -34,6 +34,7 @@ class CudaKvStorage final : public KvStorage {
   void* data() const override { return data_; }
   int64_t bytes() const override { return bytes_; }
   const MemoryExport& memory_export() const override { return export_; }
+  const CudaDeviceIdentity& identity() const { return identity_; }
 
   absl::Status MoveTokens(const kernels::KvBlockLayout& layout,
                           std::span<const kernels::KvMove> moves) override {
@@ -66,55 +67,93 @@ class CudaKvStorage final : public KvStorage {
   const int64_t bytes_;
   const cudaStream_t stream_;
   const MemoryExport export_;
+  const CudaDeviceIdentity identity_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int device) {
-  if (bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device KV storage of ", bytes, " bytes; it must be > 0"));
-  }
-  const int visible = kernels::cuda::VisibleDeviceCount();
+absl::Status CheckDevice(int device) {
+  ASSIGN_OR_RETURN(const int visible, kernels::cuda::VisibleDeviceCount());
   if (device < 0 || device >= visible) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA device ", device, " does not exist (",
                                                    visible, " visible)"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CudaDeviceIdentity> DescribeCudaDevice(int device) {
+  RETURN_IF_ERROR(CheckDevice(device));
+  cudaDeviceProp properties{};
+  RETURN_IF_ERROR(CudaStatus(cudaGetDeviceProperties(&properties, device),
+                             absl::StrCat("cudaGetDeviceProperties(", device, ")")));
+  char bus_id[32] = {};
+  RETURN_IF_ERROR(CudaStatus(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device),
+                             absl::StrCat("cudaDeviceGetPCIBusId(", device, ")")));
+  return CudaDeviceIdentity{kernels::cuda::FormatDeviceUuid(properties.uuid), bus_id};
+}
+
+absl::StatusOr<CudaIpcExport> CudaIpcExportOf(const KvStorage& storage) {
+  const auto* cuda = dynamic_cast<const CudaKvStorage*>(&storage);
+  if (cuda == nullptr) {
+    return absl::InvalidArgumentError("the KV storage is not CUDA device memory");
+  }
+  const MemoryExport& exported = cuda->memory_export();
+  if (exported.kind != MemoryExport::Kind::kCudaIpc) {
+    return absl::FailedPreconditionError(
+        "the CUDA KV storage was made without an IPC export (CudaStorageOptions::export_ipc)");
+  }
+  return CudaIpcExport{exported.cuda_ipc_handle, exported.device, cuda->identity(),
+                       exported.bytes};
+}
+
+absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int device,
+                                                            const CudaStorageOptions& options) {
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device KV storage of ", bytes, " bytes; it must be > 0"));
+  }
+  ASSIGN_OR_RETURN(CudaDeviceIdentity identity, DescribeCudaDevice(device));
   ScopedDevice on_device(device);
   RETURN_IF_ERROR(on_device.status());
   const std::string what = absl::StrCat("device ", device, ": ");
-  void* data = nullptr;
-  RETURN_IF_ERROR(CudaStatus(cudaMalloc(&data, static_cast<size_t>(bytes)),
-                             absl::StrCat(what, "cudaMalloc of ", bytes, " bytes")));
   cudaStream_t stream = nullptr;
-  cudaIpcMemHandle_t handle;
-  absl::Status status = CudaStatus(cudaMemset(data, 0, static_cast<size_t>(bytes)),
-                                   absl::StrCat(what, "cudaMemset"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                             absl::StrCat(what, "cudaStreamCreate")));
+  void* data = nullptr;
+  absl::Status status = CudaStatus(cudaMalloc(&data, static_cast<size_t>(bytes)),
+                                   absl::StrCat(what, "cudaMalloc of ", bytes, " bytes"));
+  // The fill runs on the storage's own stream (which does not wait for the legacy default
+  // stream) and is complete before anyone, here or in a worker, can see the memory.
   if (status.ok()) {
+    status = CudaStatus(cudaMemsetAsync(data, 0, static_cast<size_t>(bytes), stream),
+                        absl::StrCat(what, "cudaMemsetAsync"));
+  }
+  if (status.ok()) status = kernels::cuda::SyncStatus(stream, absl::StrCat(what, "zero fill"));
+  MemoryExport exported;
+  if (status.ok() && options.export_ipc) {
+    cudaIpcMemHandle_t handle;
     status = CudaStatus(cudaIpcGetMemHandle(&handle, data),
                         absl::StrCat(what, "cudaIpcGetMemHandle"));
-  }
-  if (status.ok()) {
-    status = CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                        absl::StrCat(what, "cudaStreamCreate"));
+    exported.kind = MemoryExport::Kind::kCudaIpc;
+    exported.cuda_ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
+    exported.device = device;
+    exported.bytes = bytes;
   }
   if (!status.ok()) {
-    cudaFree(data);
+    if (data != nullptr) cudaFree(data);
+    cudaStreamDestroy(stream);
     return status;
   }
-  MemoryExport exported;
-  exported.kind = MemoryExport::Kind::kCudaIpc;
-  exported.cuda_ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
-  exported.device = device;
-  exported.bytes = bytes;
-  return std::unique_ptr<KvStorage>(
-      new CudaKvStorage(device, data, bytes, stream, std::move(exported)));
+  return std::unique_ptr<KvStorage>(new CudaKvStorage(device, data, bytes, stream,
+                                                      std::move(exported), std::move(identity)));
 }
 
 absl::StatusOr<std::unique_ptr<BlockPool>> CreateCudaBlockPool(const BlockPoolOptions& options,
-                                                               int device) {
-  return BlockPool::Create(options,
-                           [device](int64_t bytes) { return NewCudaKvStorage(bytes, device); });
+                                                               int device,
+                                                               const CudaStorageOptions& storage) {
+  return BlockPool::Create(options, [device, storage](int64_t bytes) {
+    return NewCudaKvStorage(bytes, device, storage);
+  });
 }
 
 }  // namespace kvcm

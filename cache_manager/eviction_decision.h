@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_manager/diagnostics.h"
 #include "cache_manager/policy.h"
 #include "kernels/kv_compaction.h"
 
@@ -20,6 +21,11 @@ struct KvSlotChanges {
   std::vector<kernels::KvMove> moves;        // compaction: K/V moved from src to dst slot
   std::vector<int32_t> released_blocks;      // blocks returned to the pool
 };
+
+// How a sequence's decisions travel to its workers (the proto's DecisionEncoding). The
+// engine only remembers the sequence's choice and stamps it on each decision; server/
+// encodes: positions, a bit mask over `evicted_indices`, or per decision the smaller.
+enum class DecisionEncoding : uint8_t { kPositions, kMask, kAuto };
 
 struct EvictionDecision {
   int64_t step = 0;
@@ -39,8 +45,13 @@ struct EvictionDecision {
   // policy given field by field, and its aggregation.
   std::string preset;
   Aggregation aggregation = Aggregation::kEma;
+  // The sequence's choice (set by every step, like `preset`).
+  DecisionEncoding encoding = DecisionEncoding::kPositions;
   // Per rank, when the sequence holds KV leases; empty otherwise.
   std::vector<KvSlotChanges> kv;
+  // Eviction-quality figures of a sampled step (cache_manager/diagnostics.h); `measured`
+  // is false on every other step.
+  StepDiagnostics diagnostics = {};
 
   // Clears for reuse, keeping the capacity of `evicted`.
   void Reset() {
@@ -51,6 +62,7 @@ struct EvictionDecision {
     cache_size = 0;
     next_needs_scores = scored = scores_ignored = false;
     decide_seconds = 0;
+    diagnostics.measured = false;
   }
 };
 

@@ -66,6 +66,11 @@ class SequenceKv {
 
   // [ranks][cached tokens] each token's slot, in cache order.
   std::vector<std::vector<int64_t>> Slots() const;
+  int32_t ranks() const { return static_cast<int32_t>(leases_.size()); }
+  // Blocks the lease of `rank` holds now.
+  int64_t block_count(int32_t rank) const {
+    return leases_[static_cast<size_t>(rank)].block_count();
+  }
 
  private:
   // Frees the last slot of the first `ranks` leases.

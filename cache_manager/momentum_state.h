@@ -2,43 +2,85 @@
 // ascending order and one float32 momentum per position, plus the scratch the step needs
 // so that steady-state steps allocate nothing.
 //
-// Every mutating method either completes or leaves the state as it was. Not thread-safe:
-// a Sequence owns one and serializes access.
+// The arithmetic runs on the kernel backend the state was made with (kernels/backend.h;
+// the CPU reference by default), and the arrays live in that backend's memory:
+//   - host backends: plain vectors; positions() and momentum() view them directly;
+//   - device backends (CUDA, or the CPU's emulated device in tests): momentum, positions
+//     and the step's scratch stay in device memory. A scoring step uploads the scores
+//     (or reads them in place, ScoreSpace::kBackend), updates into a second buffer that
+//     becomes the momentum only when every score was valid (double buffer: a rejected
+//     step leaves the device state untouched), and only the step's evicted indices and
+//     positions, and the invalid-score count, cross back to the host. positions() and
+//     momentum() download a host copy on demand (tools, inspection, error messages).
+//     The work runs on the backend's stream of `device`; each method that returns a
+//     result waits for it.
+//
+// Every mutating method either completes or leaves the state as it was. A failure of
+// the device (device backends only) is sticky: status() reports it (INTERNAL, with the
+// runtime's message) and the state must be discarded. Not thread-safe: a Sequence owns
+// one and serializes access.
 #ifndef KVCM_CACHE_MANAGER_MOMENTUM_STATE_H_
 #define KVCM_CACHE_MANAGER_MOMENTUM_STATE_H_
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "kernels/backend.h"
 #include "kernels/momentum_update.h"
+#include "kernels/score_validation.h"
 
 namespace kvcm {
 
 class MomentumState {
  public:
+  // Where the scores given to ApplyScores live.
+  enum class ScoreSpace : uint8_t {
+    kHost,     // host memory (copied to the device first on a device backend)
+    kBackend,  // the backend's memory, on `device` (read in place)
+  };
+
   // The prefill cache {0 .. prefill_len-1}. Momentum starts at 0, or at each token's own
   // position when `momentum_is_position` (recency). Scratch is sized for the larger of the
-  // prefill and the budget, plus the token each step adds.
-  MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position);
+  // prefill and the budget, plus the token each step adds. `device`: the device of a
+  // device backend (ignored on the host). Check status() on a device backend.
+  MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
+                const kernels::KernelBackend& backend = kernels::CpuBackend(), int device = 0);
+  ~MomentumState();
 
   MomentumState(const MomentumState&) = delete;
   MomentumState& operator=(const MomentumState&) = delete;
 
-  int64_t size() const { return static_cast<int64_t>(positions_.size()); }
-  std::span<const int64_t> positions() const { return positions_; }
-  std::span<const float> momentum() const { return momentum_; }
+  int64_t size() const {
+    return device_ != nullptr ? device_size_ : static_cast<int64_t>(positions_.size());
+  }
+  // Views valid until the next mutating call (on a device backend: a host copy made by
+  // the call, which waits for the device).
+  std::span<const int64_t> positions() const;
+  std::span<const float> momentum() const;
 
   // Adds a token after the newest one. REQUIRES: position > every cached position.
   void Append(int64_t position, float momentum);
+  // Adds a token after the newest one at the mean momentum of the cached ones (SPEC.md,
+  // a non-scoring step): Append(position, float(MeanMomentum())), without the round trip
+  // to the host on a device backend.
+  void AppendAtMean(int64_t position);
   // Removes the newest token (undoes Append).
   void PopBack();
 
   // Folds [layers, size()] scores into the momentum of every cached token. Returns the
   // number of invalid scores; when it is non-zero the momentum is unchanged.
-  // REQUIRES: scores.tokens == size(), scores in host memory.
+  // REQUIRES: scores.tokens == size(); scores in `space` (kHost on a host backend).
   int64_t ApplyScores(const kernels::ScoreMatrix& scores,
-                      const kernels::MomentumUpdateOptions& options);
+                      const kernels::MomentumUpdateOptions& options,
+                      ScoreSpace space = ScoreSpace::kHost);
+
+  // The first invalid score of `scores` (same contract as ApplyScores), for the error
+  // message of a rejected step.
+  kernels::InvalidScore FindFirstInvalidScore(const kernels::ScoreMatrix& scores,
+                                              ScoreSpace space = ScoreSpace::kHost) const;
 
   // The mean momentum of the cached tokens, in double (0 when empty).
   double MeanMomentum() const;
@@ -61,18 +103,43 @@ class MomentumState {
   // first-step eviction of a long prefill).
   void ShrinkTo(int64_t budget);
 
-  // Scratch for callers that pick indices themselves (random); at least size() entries.
+  // Scratch for callers that pick indices themselves (random); at least size() entries,
+  // host memory.
   std::vector<uint64_t>& index_scratch() { return select_scratch_; }
 
- private:
-  void Reserve(int64_t capacity);
+  const kernels::KernelBackend& backend() const { return *backend_; }
+  // OK, or the sticky failure of a device backend.
+  const absl::Status& status() const { return status_; }
 
+ private:
+  // The device-resident arrays (momentum_state.cc), null on a host backend.
+  struct DeviceArrays;
+
+  void Reserve(int64_t capacity);
+  void ReserveDevice(int64_t capacity);
+  // Device backends: records the first failure.
+  bool Check(const absl::Status& status) const;
+  // Device backends: copies the selected entries' indices and positions to the host,
+  // removes them, and appends them to the outputs. `selected_on_host`: the indices are
+  // already known on the host (EvictIndices).
+  void EvictSelectedOnDevice(int64_t k, const int64_t* selected_on_host,
+                             std::vector<int64_t>* evicted, std::vector<int64_t>* indices);
+  void DownloadMirrors() const;
+
+  const kernels::KernelBackend* backend_;
+
+  // Host backends.
   std::vector<int64_t> positions_;
   std::vector<float> momentum_;
   std::vector<float> update_scratch_;      // receives the updated momentum before commit
-  std::vector<uint64_t> select_scratch_;   // packed selection keys
+  std::vector<uint64_t> select_scratch_;   // packed selection keys (device: index_scratch)
   std::vector<int64_t> selected_scratch_;  // indices chosen for eviction
   int64_t capacity_ = 0;
+
+  // Device backends.
+  std::unique_ptr<DeviceArrays> device_;
+  int64_t device_size_ = 0;
+  mutable absl::Status status_;
 };
 
 }  // namespace kvcm

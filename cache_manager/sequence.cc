@@ -74,9 +74,15 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(std::string id,
   absl::StatusOr<FoldWeights> fold = LayoutWeights(options, resolved->policy);
   if (!fold.ok()) return context(fold.status());
   const int64_t layers = options.score_layout == ScoreLayout::kFolded ? options.layers : 0;
-  return std::unique_ptr<Sequence>(new Sequence(std::move(id), options.prefill_len,
-                                                resolved->budget, std::move(resolved->policy),
-                                                options.score_layout, layers, *std::move(fold)));
+  const kernels::KernelBackend& backend =
+      options.backend != nullptr ? *options.backend : kernels::CpuBackend();
+  std::unique_ptr<Sequence> sequence(new Sequence(
+      std::move(id), options.prefill_len, resolved->budget, std::move(resolved->policy),
+      options.score_layout, layers, *std::move(fold), options.decision_encoding, backend,
+      options.device));
+  // A device backend can fail to hold the prefill (allocation, a missing device).
+  if (!sequence->state_.status().ok()) return context(sequence->state_.status());
+  return sequence;
 }
 
 absl::StatusOr<Policy> Sequence::ResolvePolicy(const SequenceOptions& options) {
@@ -85,7 +91,9 @@ absl::StatusOr<Policy> Sequence::ResolvePolicy(const SequenceOptions& options) {
 }
 
 Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy,
-                   ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights)
+                   ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights,
+                   DecisionEncoding decision_encoding, const kernels::KernelBackend& backend,
+                   int device)
     : id_(std::move(id)),
       prefill_len_(prefill_len),
       budget_(budget),
@@ -93,8 +101,9 @@ Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy p
       score_layout_(score_layout),
       layers_(layers),
       fold_weights_(std::move(fold_weights)),
+      decision_encoding_(decision_encoding),
       update_options_(UpdateOptions(policy_, score_layout_, fold_weights_)),
-      state_(prefill_len, budget, policy_.aggregation == Aggregation::kRecency),
+      state_(prefill_len, budget, policy_.aggregation == Aggregation::kRecency, backend, device),
       rng_(policy_.seed) {}
 
 absl::Status Sequence::CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const {
@@ -130,6 +139,7 @@ absl::Status Sequence::DescribeInvalidScore(int64_t step,
 
 absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
                             EvictionDecision* decision) {
+  RETURN_IF_ERROR(state_.status());  // a device backend that failed earlier
   if (step != last_step_ + 1) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence '", id_, "': step ", step, " is out of order; expected step ",
@@ -163,10 +173,11 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
   } else if (policy_.aggregation == Aggregation::kRecency) {
     state_.Append(new_position, static_cast<float>(new_position));
   } else {
-    state_.Append(new_position, static_cast<float>(state_.MeanMomentum()));
+    state_.AppendAtMean(new_position);
   }
 
-  // From here on nothing can fail.
+  // From here on nothing can fail but the device of a device backend (sticky: the
+  // sequence is broken and reports it on every later step).
   decision->Reset();
   const int64_t excess = state_.size() - budget_;
   if (excess > 0) {
@@ -182,6 +193,7 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
     if (step == 1) state_.ShrinkTo(budget_);
   }
 
+  RETURN_IF_ERROR(state_.status());
   last_step_ = step;
   ++stats_.steps;
   stats_.tokens_evicted += static_cast<int64_t>(decision->evicted.size());
@@ -199,7 +211,18 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
   decision->scores_ignored = !scoring && has_scores;
   decision->preset = policy_.preset;
   decision->aggregation = policy_.aggregation;
+  decision->encoding = decision_encoding_;
+  // Sampled sequences only (one null test otherwise). On a device backend positions() and
+  // momentum() download host copies, on the steps the diagnostics examine.
+  if (diagnostics_ != nullptr && scoring && diagnostics_->Examines(stats_.scoring_steps)) {
+    diagnostics_->Observe(stats_.scoring_steps, *scores, state_.positions(), state_.momentum(),
+                          decision->evicted_indices, decision->evicted, &decision->diagnostics);
+  }
   return absl::OkStatus();
+}
+
+void Sequence::EnableDiagnostics(int64_t every) {
+  if (policy_.UsesScores()) diagnostics_ = std::make_unique<SequenceDiagnostics>(every, budget_);
 }
 
 uint64_t Sequence::UniformBelow(uint64_t bound) {

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cache_manager/budget.h"
+#include "cache_manager/diagnostics.h"
 #include "cache_manager/eviction_decision.h"
 #include "cache_manager/fold.h"
 #include "cache_manager/momentum_state.h"
@@ -37,6 +38,12 @@ struct SequenceOptions {
   // not silently given the one-layer rule).
   ScoreLayout score_layout = ScoreLayout::kPerLayer;
   int64_t layers = 0;
+  // How its decisions are encoded for the workers; remembered and reported, not used here.
+  DecisionEncoding decision_encoding = DecisionEncoding::kPositions;
+  // The kernel backend the engine state lives on and runs with (kernels/backend.h):
+  // nullptr is the CPU reference; a device backend keeps it on GPU `device`.
+  const kernels::KernelBackend* backend = nullptr;
+  int device = 0;
 };
 
 struct SequenceStats {
@@ -71,6 +78,12 @@ class Sequence {
   absl::Status Step(int64_t step, const kernels::ScoreMatrix* scores,
                     EvictionDecision* decision);
 
+  // Turns on the eviction-quality diagnostics (cache_manager/diagnostics.h), measuring
+  // one pair of consecutive scoring steps per `every`: from then on, measured steps carry
+  // their figures in EvictionDecision::diagnostics. No-op for policies that never score.
+  // REQUIRES: every >= 1.
+  void EnableDiagnostics(int64_t every);
+
   const std::string& id() const { return id_; }
   int64_t prefill_len() const { return prefill_len_; }
   int64_t budget() const { return budget_; }
@@ -88,10 +101,13 @@ class Sequence {
   // Folded: the weights its workers fold with (FoldWeightsFor); per-layer: empty weights,
   // decay 0.
   const FoldWeights& fold_weights() const { return fold_weights_; }
+  DecisionEncoding decision_encoding() const { return decision_encoding_; }
 
  private:
   Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy,
-           ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights);
+           ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights,
+           DecisionEncoding decision_encoding, const kernels::KernelBackend& backend,
+           int device);
 
   absl::Status CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const;
   absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores) const;
@@ -105,6 +121,7 @@ class Sequence {
   const ScoreLayout score_layout_;
   const int64_t layers_;
   const FoldWeights fold_weights_;
+  const DecisionEncoding decision_encoding_;
   // The kernel's options for a scoring step: the policy's rule, or kFolded with the decay.
   const kernels::MomentumUpdateOptions update_options_;
   MomentumState state_;
@@ -112,6 +129,7 @@ class Sequence {
   SequenceStats stats_;
   std::mt19937_64 rng_;  // random only; the engine of the standard is fully specified
   std::vector<int64_t> random_choice_;  // random only: indices picked this step
+  std::unique_ptr<SequenceDiagnostics> diagnostics_;  // null unless sampled
 };
 
 }  // namespace kvcm

@@ -17,15 +17,39 @@ bool ByteBudget::TryTake(int64_t bytes) {
   return true;
 }
 
+namespace {
+
+// The sequence's KV events as it opens, or null without a log.
+std::unique_ptr<KvSequenceEvents> MakeEvents(KvEventLog* log, const Sequence& s,
+                                             int32_t tp_world_size,
+                                             const std::optional<SequenceKv>& kv) {
+  if (log == nullptr) return nullptr;
+  KvSequenceState state;
+  state.sequence_id = s.id();
+  state.prefill_len = s.prefill_len();
+  state.budget = s.budget();
+  state.policy = s.policy().preset.empty() ? "custom" : s.policy().preset;
+  state.tp_world_size = tp_world_size;
+  state.last_step = s.last_step();
+  state.cache_size = s.cache_size();
+  if (kv.has_value()) {
+    for (int32_t r = 0; r < kv->ranks(); ++r) state.held_blocks.push_back(kv->block_count(r));
+  }
+  return std::make_unique<KvSequenceEvents>(log, std::move(state));
+}
+
+}  // namespace
+
 SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
                            kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
-                           ByteBudget* join_budget, absl::Time now)
+                           ByteBudget* join_budget, absl::Time now, KvEventLog* events)
     : score_dtype_(score_dtype),
       tp_world_size_(tp_world_size),
       join_budget_(join_budget),
       sequence_(std::move(sequence)),
       join_(tp_world_size),
       kv_(std::move(kv)),
+      events_(MakeEvents(events, *sequence_, tp_world_size, kv_)),
       last_active_(now) {}
 
 SequenceSlot::~SequenceSlot() {
@@ -40,6 +64,13 @@ void SequenceSlot::ReleaseJoinBytesLocked() {
 
 absl::Status SequenceSlot::StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
                                       EvictionDecision* decision) {
+  RETURN_IF_ERROR(StepKvLocked(step, scores, decision));
+  if (events_ != nullptr) events_->Stepped(*decision, kv_.has_value() ? &*kv_ : nullptr);
+  return absl::OkStatus();
+}
+
+absl::Status SequenceSlot::StepKvLocked(int64_t step, const kernels::ScoreMatrix* scores,
+                                        EvictionDecision* decision) {
   if (!kv_.has_value()) return sequence_->Step(step, scores, decision);
   // The new token's slot first, so that a full pool rejects the step before it happens.
   const bool in_order = step == sequence_->last_step() + 1;
@@ -185,6 +216,7 @@ SequenceInfo SequenceSlot::SnapshotLocked(bool with_cache) const {
   info.score_layout = s.score_layout();
   info.layers = s.layers();
   info.fold_weights = s.fold_weights();
+  info.decision_encoding = s.decision_encoding();
   info.tp_world_size = tp_world_size_;
   info.last_step = s.last_step();
   info.cache_size = s.cache_size();
@@ -226,12 +258,23 @@ bool SequenceSlot::closed() const {
   return closed_;
 }
 
-SequenceInfo SequenceSlot::Close(const absl::Status& why) {
+SequenceInfo SequenceSlot::Close(const absl::Status& why, absl::string_view reason) {
   MutexLock lock(&mu_);
+  if (events_ != nullptr && !closed_) events_->Closed(reason);
   closed_ = true;
   rejection_.reset();
   FinishJoinLocked(why);
   return SnapshotLocked(/*with_cache=*/false);
+}
+
+void SequenceSlot::PublishOpened() {
+  MutexLock lock(&mu_);
+  if (events_ != nullptr) events_->Opened();
+}
+
+void SequenceSlot::ContributeKvSnapshot() {
+  MutexLock lock(&mu_);
+  if (events_ != nullptr) events_->ContributeToSnapshots();
 }
 
 bool SequenceSlot::AbortJoinStartedBefore(absl::Time cutoff, absl::Duration timeout) {

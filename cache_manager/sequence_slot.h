@@ -19,9 +19,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache_manager/eviction_decision.h"
 #include "cache_manager/fold.h"
+#include "cache_manager/kv_events.h"
 #include "cache_manager/kv_pools.h"
 #include "cache_manager/mutex.h"
 #include "cache_manager/sequence.h"
@@ -75,6 +77,7 @@ struct SequenceInfo {
   ScoreLayout score_layout = ScoreLayout::kPerLayer;
   int64_t layers = 0;         // folded: K
   FoldWeights fold_weights;   // folded with a score-using aggregation
+  DecisionEncoding decision_encoding = DecisionEncoding::kPositions;
   int32_t tp_world_size = 1;
   int64_t last_step = 0;
   int64_t cache_size = 0;
@@ -92,10 +95,10 @@ struct SequenceInfo {
 class SequenceSlot {
  public:
   // `kv` is the sequence's lease (nullopt without pools); `join_budget` may be null (no
-  // cap) and must outlive the slot.
+  // cap) and must outlive the slot; so must `events` (null: no KV events).
   SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
                kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
-               ByteBudget* join_budget, absl::Time now);
+               ByteBudget* join_budget, absl::Time now, KvEventLog* events = nullptr);
   ~SequenceSlot();
 
   SequenceSlot(const SequenceSlot&) = delete;
@@ -130,8 +133,14 @@ class SequenceSlot {
   bool closed() const;
 
   // Marks the slot closed, abandoning a pending tensor-parallel step: its waiting ranks
-  // get `why` (ABORTED). Returns the last snapshot.
-  SequenceInfo Close(const absl::Status& why);
+  // get `why` (ABORTED). Returns the last snapshot. `reason` is the Closed event's.
+  SequenceInfo Close(const absl::Status& why, absl::string_view reason = "client");
+
+  // KV events (no-ops without a log): the Opened event, appended by the table before the
+  // slot becomes findable; and this sequence's part of the snapshots in progress
+  // (kv_events.h).
+  void PublishOpened();
+  void ContributeKvSnapshot();
 
   // When the pending tensor-parallel step's first report came before `cutoff` and ranks
   // are still missing, abandons it (DEADLINE_EXCEEDED naming the missing ranks and
@@ -154,9 +163,11 @@ class SequenceSlot {
   };
 
   SequenceInfo SnapshotLocked(bool with_cache) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // One step with the KV slots kept in step (when the sequence has them).
+  // One step with the KV slots kept in step (when the sequence has them), and its events.
   absl::Status StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
                           EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StepKvLocked(int64_t step, const kernels::ScoreMatrix* scores,
+                            EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SubmitToJoinLocked(const RankReport& report, DecisionWaiter waiter, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the pending step: every waiting rank gets `status` (with the slot's decision
@@ -176,6 +187,7 @@ class SequenceSlot {
   std::unique_ptr<Sequence> sequence_ ABSL_GUARDED_BY(mu_);
   TensorParallelJoin join_ ABSL_GUARDED_BY(mu_);
   std::optional<SequenceKv> kv_ ABSL_GUARDED_BY(mu_);
+  const std::unique_ptr<KvSequenceEvents> events_ ABSL_PT_GUARDED_BY(mu_);  // null: no log
   std::vector<DecisionWaiter> waiting_ ABSL_GUARDED_BY(mu_);
   std::optional<Rejection> rejection_ ABSL_GUARDED_BY(mu_);
   int64_t join_bytes_ ABSL_GUARDED_BY(mu_) = 0;       // taken from join_budget_

@@ -1,5 +1,6 @@
 #include "cache_manager/sequence_table.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -46,7 +47,8 @@ SequenceTable::~SequenceTable() {
   }
   for (auto& [id, slot] : slots) {
     if (slot == nullptr) continue;
-    slot->Close(absl::AbortedError(absl::StrCat("sequence '", id, "': the table was destroyed")));
+    slot->Close(absl::AbortedError(absl::StrCat("sequence '", id, "': the table was destroyed")),
+                "shutdown");
   }
 }
 
@@ -110,6 +112,9 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
     unreserve();
     return sequence.status();
   }
+  if (SampledForDiagnostics(options_.diagnostics, id)) {
+    (*sequence)->EnableDiagnostics(options_.diagnostics.every);
+  }
   std::optional<SequenceKv> kv;
   if (options_.kv_pools != nullptr) {
     absl::StatusOr<SequenceKv> lease =
@@ -121,24 +126,83 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
     kv.emplace(*std::move(lease));
   }
   auto slot = std::make_shared<SequenceSlot>(*std::move(sequence), tp_world_size, score_dtype,
-                                             std::move(kv), &join_budget_, clock_->Now());
+                                             std::move(kv), &join_budget_, clock_->Now(),
+                                             options_.kv_events);
   SequenceInfo info = slot->Peek();
+  if (options_.kv_events != nullptr) {
+    // Opened before the slot is findable (so before any of its steps), while snapshots
+    // list it as opening (kv_events.h).
+    {
+      MutexLock lock(&mu_);
+      in_transit_.push_back(slot);
+    }
+    slot->PublishOpened();
+  }
   MutexLock lock(&mu_);
+  if (options_.kv_events != nullptr) {
+    in_transit_.erase(std::find(in_transit_.begin(), in_transit_.end(), slot));
+  }
   slots_[id] = std::move(slot);
   return info;
 }
 
 absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id) {
-  std::shared_ptr<SequenceSlot> slot;
+  std::vector<std::pair<std::string, std::shared_ptr<SequenceSlot>>> removed;
   {
     MutexLock lock(&mu_);
     auto it = slots_.find(id);
     if (it == slots_.end() || it->second == nullptr) return NotFound(id);
-    slot = std::move(it->second);
+    if (options_.kv_events != nullptr) in_transit_.push_back(it->second);
+    removed.emplace_back(std::string(id), std::move(it->second));
     slots_.erase(it);
   }
-  return slot->Close(absl::AbortedError(
-      absl::StrCat("sequence '", id, "' was closed while its step waited for ranks")));
+  return std::move(CloseRemoved(std::move(removed), "was closed", "client").front());
+}
+
+std::vector<SequenceInfo> SequenceTable::CloseRemoved(
+    std::vector<std::pair<std::string, std::shared_ptr<SequenceSlot>>> removed,
+    absl::string_view message, absl::string_view reason) {
+  std::vector<SequenceInfo> last;
+  last.reserve(removed.size());
+  for (auto& [id, slot] : removed) {
+    last.push_back(slot->Close(
+        absl::AbortedError(absl::StrCat("sequence '", id, "' ", message,
+                                        " while its step waited for ranks")),
+        reason));
+  }
+  if (options_.kv_events != nullptr && !removed.empty()) {
+    MutexLock lock(&mu_);
+    for (auto& [id, slot] : removed) {
+      in_transit_.erase(std::find(in_transit_.begin(), in_transit_.end(), slot));
+    }
+  }
+  return last;
+}
+
+absl::StatusOr<std::unique_ptr<KvEventSubscription>> SequenceTable::SubscribeKvEvents(
+    uint64_t after_event_id, absl::string_view daemon_run, std::string tenant) {
+  KvEventLog* const log = options_.kv_events;
+  if (log == nullptr) {
+    return absl::FailedPreconditionError("the sequence table keeps no KV events");
+  }
+  std::unique_ptr<KvEventSubscription> subscription;
+  std::vector<std::shared_ptr<SequenceSlot>> open;
+  {
+    // Under the registry lock, the slots listed include every sequence open at the
+    // snapshot's as_of (kv_events.h).
+    ReaderMutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(subscription,
+                     log->Subscribe(after_event_id, daemon_run, std::move(tenant)));
+    if (!subscription->snapshot_pending()) return subscription;
+    open.reserve(slots_.size() + in_transit_.size());
+    for (const auto& [id, slot] : slots_) {
+      if (slot != nullptr) open.push_back(slot);
+    }
+    open.insert(open.end(), in_transit_.begin(), in_transit_.end());
+  }
+  for (const std::shared_ptr<SequenceSlot>& slot : open) slot->ContributeKvSnapshot();
+  subscription->CompleteSnapshot();
+  return subscription;
 }
 
 absl::StatusOr<kernels::ScoreDtype> SequenceTable::DefaultScoreDtype(absl::string_view id) const {
@@ -216,6 +280,7 @@ std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout
     MutexLock lock(&mu_);
     for (auto it = slots_.begin(); it != slots_.end();) {
       if (it->second != nullptr && it->second->IdleSince(cutoff)) {
+        if (options_.kv_events != nullptr) in_transit_.push_back(it->second);
         idle.emplace_back(it->first, std::move(it->second));
         slots_.erase(it++);
       } else {
@@ -223,13 +288,7 @@ std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout
       }
     }
   }
-  std::vector<SequenceInfo> reclaimed;
-  reclaimed.reserve(idle.size());
-  for (auto& [id, slot] : idle) {
-    reclaimed.push_back(slot->Close(absl::AbortedError(absl::StrCat(
-        "sequence '", id, "' was reclaimed after idling while its step waited for ranks"))));
-  }
-  return reclaimed;
+  return CloseRemoved(std::move(idle), "was reclaimed after idling", "idle_timeout");
 }
 
 }  // namespace kvcm

@@ -4,7 +4,9 @@
 //
 // Thread-safe. Steps of different sequences run in parallel; steps of one sequence are
 // serialized by its slot. Lock order: the registry mutex `mu_` before a slot's mutex; the
-// registry mutex is never held while a step computes or a sink runs.
+// registry mutex is never held while a step computes, a sink or an event wakeup runs.
+// With a KvEventLog, the slots append their events (kv_events.h has the lock order and the
+// snapshot rule).
 #ifndef KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
 #define KVCM_CACHE_MANAGER_SEQUENCE_TABLE_H_
 
@@ -22,7 +24,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache_manager/clock.h"
+#include "cache_manager/diagnostics.h"
 #include "cache_manager/eviction_decision.h"
+#include "cache_manager/kv_events.h"
 #include "cache_manager/kv_pools.h"
 #include "cache_manager/mutex.h"
 #include "cache_manager/sequence.h"
@@ -42,6 +46,12 @@ struct SequenceTableOptions {
   // Caps the partial sums held by tensor-parallel steps waiting for ranks (bytes, all
   // sequences together); past it a report is refused with RESOURCE_EXHAUSTED.
   int64_t max_pending_join_bytes = int64_t{1} << 30;
+  // Where the sequences' KV events go (opened, stepped, blocks, closed), or nullptr: no
+  // events, no cost. Not owned; must outlive the table.
+  KvEventLog* kv_events = nullptr;
+  // Eviction-quality diagnostics (cache_manager/diagnostics.h): the sequences it samples
+  // by id get them at Open; off by default.
+  DiagnosticsOptions diagnostics = {};
 };
 
 struct SequenceTableTotals {
@@ -110,6 +120,15 @@ class SequenceTable {
   // their last snapshots.
   std::vector<SequenceInfo> ReclaimIdle(absl::Duration idle_timeout);
 
+  // The table's KV events (null without a log).
+  KvEventLog* kv_events() const { return options_.kv_events; }
+  // Subscribes to them (KvEventLog::Subscribe), taking the snapshot when the subscriber
+  // cannot resume: its events, then, are the snapshot and every event after its as_of.
+  // FAILED_PRECONDITION without a log; RESOURCE_EXHAUSTED at the log's subscriber limit.
+  absl::StatusOr<std::unique_ptr<KvEventSubscription>> SubscribeKvEvents(
+      uint64_t after_event_id, absl::string_view daemon_run, std::string tenant)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   // The slot of an open id, or null (unknown, or still being opened).
   std::shared_ptr<SequenceSlot> Find(absl::string_view id) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -117,6 +136,11 @@ class SequenceTable {
   absl::Status NotFound(absl::string_view id) const;
   // Removes `id` when it still maps to `slot`.
   void Erase(absl::string_view id, const SequenceSlot* slot) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes slots already taken out of slots_ (with events, listed in in_transit_ until
+  // their Closed event is appended) and returns their last snapshots.
+  std::vector<SequenceInfo> CloseRemoved(
+      std::vector<std::pair<std::string, std::shared_ptr<SequenceSlot>>> removed,
+      absl::string_view message, absl::string_view reason) ABSL_LOCKS_EXCLUDED(mu_);
 
   const SequenceTableOptions options_;
   const Clock* const clock_;
@@ -124,6 +148,10 @@ class SequenceTable {
   mutable Mutex mu_;
   // A null slot reserves an id whose Open is still building it.
   absl::flat_hash_map<std::string, std::shared_ptr<SequenceSlot>> slots_ ABSL_GUARDED_BY(mu_);
+  // With events, the slots a snapshot must see besides slots_ (kv_events.h): opening ones
+  // (Opened appended, or about to be, and not findable yet) and closing ones (removed from
+  // slots_, Closed not appended yet).
+  std::vector<std::shared_ptr<SequenceSlot>> in_transit_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcm

@@ -4,14 +4,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/check.h"
-#include "kernels/momentum_update.h"
 #include "kernels/score_validation.h"
 
 namespace kvcm {
 
-TensorParallelJoin::TensorParallelJoin(int32_t world_size)
-    : world_size_(world_size), slots_(static_cast<size_t>(world_size)) {
+TensorParallelJoin::TensorParallelJoin(int32_t world_size,
+                                       const kernels::KernelBackend& backend)
+    : world_size_(world_size), backend_(&backend), slots_(static_cast<size_t>(world_size)) {
   KVCM_CHECK(world_size >= 1);
+  KVCM_CHECK(backend.memory == kernels::MemorySpace::kHost);
 }
 
 std::vector<int32_t> TensorParallelJoin::MissingRanks() const {
@@ -66,7 +67,7 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
       return absl::InvalidArgumentError(absl::StrCat(where(), "malformed partial sums"));
     }
     int64_t invalid = 0;
-    kernels::cpu::CountInvalidScores(p, &invalid, nullptr);
+    backend_->count_invalid_scores(p, &invalid, nullptr);
     if (invalid != 0) {
       const kernels::InvalidScore bad = kernels::FindFirstInvalidScore(p);
       return absl::InvalidArgumentError(absl::StrCat(
@@ -101,8 +102,8 @@ kernels::ScoreMatrix TensorParallelJoin::Join() {
   }
   const kernels::ScoreMatrix& first = views_.front();
   joined_.resize(static_cast<size_t>(first.layers * first.tokens));
-  kernels::cpu::JoinRankPartials(views_.data(), static_cast<int64_t>(views_.size()),
-                                 total_heads, joined_.data(), nullptr);
+  backend_->join_rank_partials(views_.data(), static_cast<int64_t>(views_.size()),
+                               total_heads, joined_.data(), nullptr);
   return kernels::ScoreMatrix::Dense(joined_.data(), kernels::ScoreDtype::kFloat32,
                                      first.layers, first.tokens);
 }

@@ -6,7 +6,10 @@
 // where sum_p is rank p's sum of its heads' attention rows and h_p its head count. Each
 // report is validated when it arrives; a rejected report changes nothing and the others
 // keep waiting. Reports are copied (the caller's buffers need not outlive Add) and joined
-// in rank order, so the result does not depend on arrival order.
+// in rank order, so the result does not depend on arrival order. Validation and the join
+// run on the kernel backend the join was made with (kernels/backend.h; the CPU reference
+// by default), over host memory: reports arrive in host memory. Partial sums that sit on
+// the GPUs are joined by kernels/cuda/nccl_communicator.h instead.
 // Not thread-safe: SequenceTable guards it with the sequence's mutex.
 #ifndef KVCM_CACHE_MANAGER_TENSOR_PARALLEL_JOIN_H_
 #define KVCM_CACHE_MANAGER_TENSOR_PARALLEL_JOIN_H_
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/backend.h"
 #include "kernels/score_matrix.h"
 
 namespace kvcm {
@@ -42,7 +46,9 @@ struct JoinExpectation {
 
 class TensorParallelJoin {
  public:
-  explicit TensorParallelJoin(int32_t world_size);
+  // REQUIRES: world_size >= 1, backend.memory == kHost.
+  explicit TensorParallelJoin(int32_t world_size,
+                              const kernels::KernelBackend& backend = kernels::CpuBackend());
 
   int32_t world_size() const { return world_size_; }
   int32_t arrived() const { return arrived_; }
@@ -72,6 +78,7 @@ class TensorParallelJoin {
   };
 
   const int32_t world_size_;
+  const kernels::KernelBackend* const backend_;
   std::vector<Slot> slots_;
   int32_t arrived_ = 0;
   int64_t layers_ = 0;  // of the first scored report of this step, 0 before it

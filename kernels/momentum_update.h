@@ -15,7 +15,8 @@
 // reject the step without a second read. Stateless and thread-safe.
 //
 // The CPU reference (namespace cpu) and the CUDA kernels (namespace cuda) share these
-// signatures; their parity is pinned by tests/kernels.
+// signatures (kernels/backend.h checks it at compile time); their parity is pinned by
+// tests/gpu.
 #ifndef KVCM_KERNELS_MOMENTUM_UPDATE_H_
 #define KVCM_KERNELS_MOMENTUM_UPDATE_H_
 
@@ -39,14 +40,18 @@ namespace cpu {
 // scores:       [layers, tokens] f32/f16/bf16, host; scores.tokens == tokens, layers >= 1
 //               (kFolded: REQUIRES layers == 1).
 // invalid_count:[1] i64, host: number of score elements that are negative, NaN or infinite.
-//               When it is non-zero, momentum_out holds garbage and must be discarded.
+//               When it is non-zero, momentum_out holds garbage and must be discarded; run
+//               in place, that destroys the momentum, so a caller that must reject a step
+//               unchanged updates out of place and swaps on success (MomentumState).
 // stream:       nullptr.
 void UpdateMomentum(const float* momentum_in, float* momentum_out, int64_t tokens,
                     ScoreMatrix scores, MomentumUpdateOptions options,
                     int64_t* invalid_count, StreamHandle stream);
 
-// The mean of `n` momentum values accumulated in double (0 when n == 0); the initial
-// momentum of a token that joins on a non-scoring step.
+// The mean of `n` momentum values in double (0 when n == 0); the initial momentum of a
+// token that joins on a non-scoring step. The sum is exact and order-independent
+// (kernels/exact_sum.h), so every backend returns the same double.
+// REQUIRES: n <= kMaxExactSumCount (2^40).
 // momentum: [n] f32, host.  mean: [1] f64, host.
 void MeanMomentum(const float* momentum, int64_t n, double* mean, StreamHandle stream);
 
@@ -61,6 +66,17 @@ void ConvertToFloat32(const void* src, ScoreDtype dtype, int64_t n, float* dst,
 // out:      [layers, tokens] f32 dense, host.
 void JoinRankPartials(const ScoreMatrix* partials, int64_t ranks, int64_t total_heads,
                       float* out, StreamHandle stream);
+
+// The two halves of the tensor-parallel join around an all-reduce (the NCCL join of
+// kernels/cuda/nccl_communicator.h): each rank widens its partial sums to double, the
+// ranks sum them, and each rank scales the sum. With exact double sums (always, unless a
+// layer's values span more than about 2^28 in magnitude) the result equals
+// JoinRankPartials bit for bit.
+// partial: [layers, tokens] f32/f16/bf16, host.   wide: [layers * tokens] f64 dense, host.
+void WidenPartialSums(ScoreMatrix partial, double* wide, StreamHandle stream);
+// sums: [n] f64, host.  out: [n] f32, host: float(sums / total_heads).
+void ScaleJoinedSums(const double* sums, int64_t n, int64_t total_heads, float* out,
+                     StreamHandle stream);
 
 }  // namespace cpu
 }  // namespace kvcm::kernels

@@ -25,6 +25,17 @@ namespace cpu {
 void SelectLowest(const float* values, int64_t begin, int64_t end, int64_t k,
                   int64_t* selected, uint64_t* scratch, StreamHandle stream);
 
+// Selects the k highest of values[0, count): exactly the complement of
+// SelectLowest(values, 0, count, count - k), so ties go to the higher index. Writes their
+// indices in ascending order to `selected`. O(count) whatever k: a histogram of the values'
+// top bits (2,048 log-spaced buckets) finds the bucket of the k-th highest, and a selection
+// runs inside that bucket only. For the eviction-quality diagnostics' top sets.
+// REQUIRES: 0 <= k <= count, values >= 0 (not NaN).
+// values:   [count] f32, host.    selected: [k] i64, host.
+// scratch:  [count] u64, host (unused when k == 0 or k == count).
+void SelectHighest(const float* values, int64_t count, int64_t k, int64_t* selected,
+                   uint64_t* scratch, StreamHandle stream);
+
 // Removes the entries at `indices` (ascending, distinct, < n) from both arrays, keeping the
 // order of the survivors; the arrays then hold n - k entries.
 // momentum: [n] f32, host.  positions: [n] i64, host.  indices: [k] i64, host.

@@ -9,6 +9,7 @@ packages=(
   prometheus-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-pytest python3-yaml python3-numpy
+  python3-torch libopenblas0-pthread python3-matplotlib
   prometheus yamllint unzip
 )
 # Helm comes from an npm package at test time (tests/deploy); npm is on the machine image,

@@ -83,6 +83,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   table_options.max_tp_world_size = options.max_tp_world_size;
   table_options.kv_pools = d->pools_.get();
   table_options.max_pending_join_bytes = options.max_pending_join_bytes;
+  if (options.kv_events_ring > 0) {
+    KvEventLogOptions events;
+    events.ring_capacity = options.kv_events_ring;
+    events.max_subscribers = options.kv_events_max_subscribers;
+    d->kv_events_ = std::make_unique<KvEventLog>(events);
+  }
+  d->kv_event_gauges_ = std::make_shared<KvEventGauges>(d->kv_events_.get());
+  table_options.kv_events = d->kv_events_.get();
+  table_options.diagnostics = {options.diagnostics_every, options.diagnostics_sample};
   d->table_ = std::make_unique<SequenceTable>(table_options);
   const int32_t engine_threads =
       options.engine_threads > 0
@@ -112,6 +121,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     d->exposer_->RegisterCollectable(d->metrics_->registry());
     d->exposer_->RegisterCollectable(d->table_gauges_);
     d->exposer_->RegisterCollectable(d->pool_gauges_);
+    d->exposer_->RegisterCollectable(d->kv_event_gauges_);
     const std::vector<int> ports = d->exposer_->GetListeningPorts();
     d->metrics_address_ =
         ports.empty() ? options.metrics_listen : WithPort(options.metrics_listen, ports[0]);

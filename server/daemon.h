@@ -63,6 +63,8 @@ class Daemon {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<KvPools> pools_;  // before table_: leases return blocks to it
   std::shared_ptr<PoolGauges> pool_gauges_;
+  std::unique_ptr<KvEventLog> kv_events_;  // before table_: its slots append to it
+  std::shared_ptr<KvEventGauges> kv_event_gauges_;
   std::unique_ptr<SequenceTable> table_;
   std::unique_ptr<StepExecutor> executor_;
   std::unique_ptr<ScoreRegions> regions_;  // with --allow_shm_scores

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/kv_events_reactor.h"
 #include "server/step_stream_reactor.h"
 #include "server/translate.h"
 
@@ -180,9 +181,51 @@ grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepS
   return reactor;
 }
 
+grpc::ServerWriteReactor<v1::KvEvent>* KvCacheService::WatchKvEvents(
+    grpc::CallbackServerContext* /*context*/, const v1::WatchKvEventsRequest* request) {
+  metrics_->Request(Rpc::kWatchKvEvents, static_cast<int64_t>(request->ByteSizeLong()));
+  KvEventLog* const log = table_->kv_events();
+  absl::Status refusal;
+  std::unique_ptr<KvEventSubscription> subscription;
+  if (log == nullptr) {
+    refusal = absl::FailedPreconditionError(
+        "kvcached runs with --kv_events_ring=0: it keeps no KV events");
+  } else {
+    // Tenants do not exist yet: every subscriber is tenant "" and sees every sequence.
+    // Once requests carry a tenant, pass it here (KvEventSubscription::tenant).
+    absl::StatusOr<std::unique_ptr<KvEventSubscription>> subscribed = table_->SubscribeKvEvents(
+        request->after_event_id(), request->daemon_run(), /*tenant=*/"");
+    if (subscribed.ok()) {
+      subscription = *std::move(subscribed);
+    } else {
+      refusal = subscribed.status();
+    }
+  }
+  if (refusal.ok()) {
+    // Checked after subscribing: StartDraining sets draining_ before it ends the
+    // subscriptions, so a subscription it missed is refused here.
+    absl::MutexLock lock(&mu_);
+    if (draining_) {
+      refusal = absl::UnavailableError("kvcached is draining; watch another daemon's KV events");
+    }
+  }
+  if (!refusal.ok()) {
+    subscription.reset();
+    metrics_->Error(Rpc::kWatchKvEvents, refusal.code());
+  }
+  auto* reactor = new KvEventsReactor(std::move(subscription), log != nullptr ? log->run() : "");
+  reactor->Start(ToGrpc(refusal));
+  return reactor;
+}
+
 void KvCacheService::StartDraining() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+  }
+  if (KvEventLog* log = table_->kv_events(); log != nullptr) {
+    log->EndSubscriptions("kvcached is draining: its KV events end here");
+  }
 }
 
 void KvCacheService::StreamDone() {

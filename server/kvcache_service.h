@@ -1,8 +1,9 @@
 // KvCacheService: the kvcache.v1.KvCache gRPC service on the callback API. A thin layer:
 // every RPC is decoded, handed to the sequence table (steps through the
 // StepBatchProcessor, which runs them on the engine threads), and its status recorded by
-// one wrapper (UnaryCall). StepStream runs one reactor per worker rank. Nothing here
-// blocks and no engine work runs on a gRPC thread.
+// one wrapper (UnaryCall). StepStream runs one reactor per worker rank, WatchKvEvents one
+// per subscriber (server/kv_events_reactor.h). Nothing here blocks and no engine work
+// runs on a gRPC thread.
 #ifndef KVCM_SERVER_KVCACHE_SERVICE_H_
 #define KVCM_SERVER_KVCACHE_SERVICE_H_
 
@@ -58,9 +59,12 @@ class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
       grpc::CallbackServerContext* context,
       const ::kvcache::v1::UnregisterScoreRegionRequest* request,
       ::kvcache::v1::UnregisterScoreRegionResponse* response) override;
+  grpc::ServerWriteReactor<::kvcache::v1::KvEvent>* WatchKvEvents(
+      grpc::CallbackServerContext* context,
+      const ::kvcache::v1::WatchKvEventsRequest* request) override;
 
   // Draining: new streams are refused; open ones keep being answered until their clients
-  // close them (or the server's drain deadline cancels them).
+  // close them (or the server's drain deadline cancels them). KV event watches end now.
   void StartDraining();
 
   // Called by a stream reactor when it is done.

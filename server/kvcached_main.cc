@@ -57,6 +57,16 @@ ABSL_FLAG(int64_t, max_pending_join_bytes, int64_t{1} << 30,
 ABSL_FLAG(bool, allow_shm_scores, false,
           "accept shared-memory score regions (RegisterScoreRegion) from workers on this node");
 ABSL_FLAG(int64_t, max_score_regions, 256, "most score regions mapped at once");
+ABSL_FLAG(int64_t, kv_events_ring, 65536,
+          "KV events (WatchKvEvents) kept for subscribers that resume; also how far behind a "
+          "subscriber may fall before it is dropped (0: no KV events)");
+ABSL_FLAG(int32_t, kv_events_max_subscribers, 64, "most WatchKvEvents subscribers at once");
+ABSL_FLAG(int64_t, diagnostics_every, 0,
+          "eviction-quality diagnostics: measure one pair of consecutive scoring steps per "
+          "this many scoring steps of each sampled sequence (0: off; docs/METRICS.md)");
+ABSL_FLAG(double, diagnostics_sample, 0.1,
+          "eviction-quality diagnostics: the fraction of sequences sampled, 0 to 1 (chosen "
+          "by a hash of the sequence id, so stable)");
 ABSL_FLAG(bool, kv_shared_memory, true,
           "host pools in POSIX shared memory (/kvcached-<pid>-rank<r>) for workers to map");
 
@@ -134,6 +144,23 @@ int main(int argc, char** argv) {
   options.max_pending_join_bytes = absl::GetFlag(FLAGS_max_pending_join_bytes);
   options.allow_shm_scores = absl::GetFlag(FLAGS_allow_shm_scores);
   options.max_score_regions = absl::GetFlag(FLAGS_max_score_regions);
+  options.kv_events_ring = absl::GetFlag(FLAGS_kv_events_ring);
+  options.kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
+  if (options.kv_events_ring < 0 || options.kv_events_ring > (int64_t{1} << 24) ||
+      options.kv_events_max_subscribers < 1) {
+    std::fprintf(stderr,
+                 "kvcached: --kv_events_ring must be 0 to 16777216, "
+                 "--kv_events_max_subscribers >= 1\n");
+    return 2;
+  }
+  options.diagnostics_every = absl::GetFlag(FLAGS_diagnostics_every);
+  options.diagnostics_sample = absl::GetFlag(FLAGS_diagnostics_sample);
+  if (options.diagnostics_every < 0 ||
+      !(options.diagnostics_sample >= 0 && options.diagnostics_sample <= 1)) {
+    std::fprintf(stderr,
+                 "kvcached: --diagnostics_every must be >= 0 and --diagnostics_sample 0 to 1\n");
+    return 2;
+  }
   const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   if (kv_dtype == "float16") {
     options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat16;

@@ -12,7 +12,7 @@ namespace {
 constexpr absl::string_view kRpcNames[kRpcCount] = {
     "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences",
     "Step",         "StepStream",    "DescribeKvPools", "RegisterScoreRegion",
-    "UnregisterScoreRegion"};
+    "UnregisterScoreRegion", "WatchKvEvents"};
 
 constexpr absl::string_view kCodeNames[17] = {
     "OK",       "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",
@@ -33,6 +33,14 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
 const prometheus::Histogram::BucketBoundaries& BatchSizeBuckets() {
   static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
       1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+  return *buckets;
+}
+
+// For the eviction-quality ratios (churn, Jaccard), which lie in [0, 1].
+const prometheus::Histogram::BucketBoundaries& FractionBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
+      0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4,
+      0.5,   0.6,    0.7,   0.8,  0.9,   0.95, 0.975, 0.99, 0.999};
   return *buckets;
 }
 
@@ -113,6 +121,35 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
                        .Name("kvcache_step_decision_seconds")
                        .Help("Engine time to decide one sequence's step")
                        .Register(r);
+  auto& diag_steps = prometheus::BuildCounter()
+                         .Name("kvcache_diag_steps_total")
+                         .Help("Scoring steps measured by the eviction-quality diagnostics")
+                         .Register(r);
+  auto& diag_small = prometheus::BuildCounter()
+                         .Name("kvcache_diag_small_change_steps_total")
+                         .Help("Measured steps where at most one token entered the momentum top-k")
+                         .Register(r);
+  auto& diag_evicted = prometheus::BuildCounter()
+                           .Name("kvcache_diag_evicted_total")
+                           .Help("Tokens evicted on measured steps")
+                           .Register(r);
+  auto& diag_relevant = prometheus::BuildCounter()
+                            .Name("kvcache_diag_evicted_relevant_total")
+                            .Help("Tokens evicted on measured steps while in the step's raw top-k")
+                            .Register(r);
+  auto& diag_raw_churn = prometheus::BuildHistogram()
+                             .Name("kvcache_diag_raw_topk_churn")
+                             .Help("1 - Jaccard of the raw top-k of consecutive scoring steps")
+                             .Register(r);
+  auto& diag_momentum_churn = prometheus::BuildHistogram()
+                                  .Name("kvcache_diag_momentum_topk_churn")
+                                  .Help("1 - Jaccard of the momentum top-k of consecutive "
+                                        "scoring steps")
+                                  .Register(r);
+  auto& diag_jaccard = prometheus::BuildHistogram()
+                           .Name("kvcache_diag_raw_momentum_jaccard")
+                           .Help("Jaccard of a step's raw top-k with its momentum top-k")
+                           .Register(r);
   for (const std::string& label : PolicyLabels()) {
     PolicySeries s;
     s.opened = &opened.Add({{"policy", label}});
@@ -127,6 +164,13 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
     s.ignored = &ignored.Add({{"policy", label}});
     s.evicted = &evicted.Add({{"policy", label}});
     s.decision_seconds = &decision.Add({{"policy", label}}, LatencyBuckets());
+    s.diag_steps = &diag_steps.Add({{"policy", label}});
+    s.diag_small_change = &diag_small.Add({{"policy", label}});
+    s.diag_evicted = &diag_evicted.Add({{"policy", label}});
+    s.diag_evicted_relevant = &diag_relevant.Add({{"policy", label}});
+    s.diag_raw_churn = &diag_raw_churn.Add({{"policy", label}}, FractionBuckets());
+    s.diag_momentum_churn = &diag_momentum_churn.Add({{"policy", label}}, FractionBuckets());
+    s.diag_raw_momentum_jaccard = &diag_jaccard.Add({{"policy", label}}, FractionBuckets());
     policies_.push_back(s);
   }
 
@@ -218,6 +262,17 @@ void ServerMetrics::StepDecided(const EvictionDecision& d, double seconds) {
   if (d.scores_ignored) s.ignored->Increment();
   if (!d.evicted.empty()) s.evicted->Increment(static_cast<double>(d.evicted.size()));
   s.decision_seconds->Observe(seconds);
+  const StepDiagnostics& q = d.diagnostics;
+  if (!q.measured) return;
+  s.diag_steps->Increment();
+  if (q.small_change) s.diag_small_change->Increment();
+  if (q.evicted > 0) s.diag_evicted->Increment(static_cast<double>(q.evicted));
+  if (q.evicted_relevant > 0) {
+    s.diag_evicted_relevant->Increment(static_cast<double>(q.evicted_relevant));
+  }
+  s.diag_raw_churn->Observe(q.raw_topk_churn);
+  s.diag_momentum_churn->Observe(q.momentum_topk_churn);
+  s.diag_raw_momentum_jaccard->Observe(q.raw_momentum_jaccard);
 }
 
 void ServerMetrics::BatchDone(Rpc rpc, int64_t sequences, double seconds) {
@@ -285,7 +340,32 @@ prometheus::MetricFamily GaugeFamily(const char* name, const char* help,
   return f;
 }
 
+// A family of one unlabelled counter, its value read from elsewhere.
+prometheus::MetricFamily CounterFamily(const char* name, const char* help, double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = prometheus::MetricType::Counter;
+  prometheus::ClientMetric m;
+  m.counter.value = value;
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
 }  // namespace
+
+std::vector<prometheus::MetricFamily> KvEventGauges::Collect() const {
+  const KvEventStats stats = log_ != nullptr ? log_->Stats() : KvEventStats{};
+  return {
+      GaugeFamily("kvcache_kv_event_subscribers", "WatchKvEvents subscribers attached",
+                  {{{}, static_cast<double>(stats.subscribers)}}),
+      CounterFamily("kvcache_kv_events_published_total", "KV events published",
+                    static_cast<double>(stats.published)),
+      CounterFamily("kvcache_kv_event_subscribers_dropped_total",
+                    "KV event subscribers dropped for falling too far behind",
+                    static_cast<double>(stats.dropped)),
+  };
+}
 
 std::vector<prometheus::MetricFamily> PoolGauges::Collect() const {
   std::vector<BlockPoolUsage> usage;

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "cache_manager/eviction_decision.h"
+#include "cache_manager/kv_events.h"
 #include "cache_manager/kv_pools.h"
 #include "cache_manager/sequence_table.h"
 #include "kernels/score_matrix.h"
@@ -38,8 +39,9 @@ enum class Rpc : uint8_t {
   kDescribeKvPools,
   kRegisterScoreRegion,
   kUnregisterScoreRegion,
+  kWatchKvEvents,
 };
-inline constexpr int kRpcCount = 9;
+inline constexpr int kRpcCount = 10;
 absl::string_view RpcName(Rpc rpc);
 
 // "INVALID_ARGUMENT", ... for the `code` label.
@@ -67,7 +69,8 @@ class ServerMetrics {
 
   void SequenceOpened(absl::string_view preset);
   void SequenceClosed(absl::string_view preset, CloseReason reason);
-  // One decided step (counted once per step, not once per rank) and its engine time.
+  // One decided step (counted once per step, not once per rank) and its engine time; its
+  // eviction-quality figures too when it was a measured step (decision.diagnostics).
   void StepDecided(const EvictionDecision& decision, double seconds);
   void BatchDone(Rpc rpc, int64_t sequences, double seconds);
   void Request(Rpc rpc, int64_t payload_bytes);
@@ -94,6 +97,14 @@ class ServerMetrics {
     prometheus::Counter* ignored;
     prometheus::Counter* evicted;
     prometheus::Histogram* decision_seconds;
+    // Eviction-quality diagnostics (measured steps only).
+    prometheus::Counter* diag_steps;
+    prometheus::Counter* diag_small_change;
+    prometheus::Counter* diag_evicted;
+    prometheus::Counter* diag_evicted_relevant;
+    prometheus::Histogram* diag_raw_churn;
+    prometheus::Histogram* diag_momentum_churn;
+    prometheus::Histogram* diag_raw_momentum_jaccard;
   };
   struct RpcSeries {
     prometheus::Histogram* batch_seconds;
@@ -138,6 +149,18 @@ class TableGauges : public prometheus::Collectable {
 
  private:
   const SequenceTable* table_;
+};
+
+// kvcache_kv_event_subscribers, kvcache_kv_events_published_total and
+// kvcache_kv_event_subscribers_dropped_total, read from the KV event log when Prometheus
+// scrapes (all 0 without one): the step path pays nothing for them.
+class KvEventGauges : public prometheus::Collectable {
+ public:
+  explicit KvEventGauges(const KvEventLog* log) : log_(log) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const KvEventLog* log_;  // may be null
 };
 
 }  // namespace kvcm::server

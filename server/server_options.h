@@ -48,6 +48,18 @@ struct ServerOptions {
   bool allow_shm_scores = false;
   int64_t max_score_regions = 256;
 
+  // KV events (WatchKvEvents, docs/EVENTS.md): the events kept for subscribers that
+  // resume, which is also how far behind a subscriber may fall before it is dropped (0: no
+  // events at all); and the most subscribers at once.
+  int64_t kv_events_ring = 65536;
+  int32_t kv_events_max_subscribers = 64;
+
+  // Eviction-quality diagnostics (cache_manager/diagnostics.h): one pair of consecutive
+  // scoring steps measured per `diagnostics_every` scoring steps (0: off) of the sequences
+  // a hash of their id samples at `diagnostics_sample` (0 to 1).
+  int64_t diagnostics_every = 0;
+  double diagnostics_sample = 0.1;
+
   // KV block pools, one per tensor-parallel rank: none when pool_memory_bytes is 0 (the
   // daemon then only decides). "host": host memory, in POSIX shared memory named
   // /kvcached-<pid>-rank<r> when kv_shared_memory; "cuda": device r's memory.

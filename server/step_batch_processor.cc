@@ -111,7 +111,9 @@ void StepBatchProcessor::RunShard(void* task, int32_t shard) {
   const int32_t end = b.shard_begin_[static_cast<size_t>(shard) + 1];
   // Only the last Submit can complete the batch (the later reports of this shard are
   // still undecided before it), and nothing here touches the batch after it: from then on
-  // its owner may reuse it.
+  // its owner may reuse it. KV event subscribers are woken after the loop, once each: the
+  // decisions go out first.
+  KvEventWakeupScope wakeups(self.table_->kv_events() != nullptr);
   for (int32_t k = begin; k < end; ++k) {
     self.Submit(b, b.by_shard_[static_cast<size_t>(k)], shard);
   }

@@ -4,6 +4,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "cache_manager/check.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "kvcache/v1/wire_dtype.h"
 
 namespace kvcm::server {
@@ -70,6 +72,71 @@ v1::Refresh ToProto(Refresh r) {
       return v1::REFRESH_SCORE_FREE;
   }
   return v1::REFRESH_UNSPECIFIED;
+}
+
+absl::StatusOr<DecisionEncoding> FromProto(v1::DecisionEncoding e) {
+  switch (e) {
+    case v1::DECISION_ENCODING_UNSPECIFIED:
+    case v1::DECISION_ENCODING_POSITIONS:
+      return DecisionEncoding::kPositions;
+    case v1::DECISION_ENCODING_MASK:
+      return DecisionEncoding::kMask;
+    case v1::DECISION_ENCODING_AUTO:
+      return DecisionEncoding::kAuto;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown decision_encoding ", e, " (expected POSITIONS, MASK or AUTO)"));
+  }
+}
+
+v1::DecisionEncoding ToProto(DecisionEncoding e) {
+  switch (e) {
+    case DecisionEncoding::kPositions:
+      return v1::DECISION_ENCODING_POSITIONS;
+    case DecisionEncoding::kMask:
+      return v1::DECISION_ENCODING_MASK;
+    case DecisionEncoding::kAuto:
+      return v1::DECISION_ENCODING_AUTO;
+  }
+  return v1::DECISION_ENCODING_UNSPECIFIED;
+}
+
+size_t VarintBytes(int64_t value) {
+  return google::protobuf::io::CodedOutputStream::VarintSize64(static_cast<uint64_t>(value));
+}
+
+// Whether `d` travels as a mask of `mask_tokens` bits. AUTO compares the payloads: the
+// packed varints of the positions against the mask's bytes plus the mask_tokens varint
+// (ties: positions); the sum stops as soon as the positions cost more, so it is O(evicted)
+// at worst and O(mask bytes) on a large step.
+bool EncodesAsMask(const EvictionDecision& d, int64_t mask_tokens) {
+  switch (d.encoding) {
+    case DecisionEncoding::kPositions:
+      return false;
+    case DecisionEncoding::kMask:
+      return true;
+    case DecisionEncoding::kAuto:
+      break;
+  }
+  const size_t mask_bytes =
+      static_cast<size_t>((mask_tokens + 7) / 8) + VarintBytes(mask_tokens);
+  size_t position_bytes = 0;
+  for (const int64_t p : d.evicted) {
+    position_bytes += VarintBytes(p);
+    if (position_bytes > mask_bytes) return true;
+  }
+  return false;
+}
+
+// Bit i of `mask` (byte i / 8, bit i % 8, LSB first) set for every evicted index; the
+// string's capacity is reused, so a reused Decision allocates only when the cache grows.
+void SetEvictedMask(const std::vector<int64_t>& indices, int64_t mask_tokens,
+                    std::string* mask) {
+  mask->assign(static_cast<size_t>((mask_tokens + 7) / 8), '\0');
+  // The indices are ascending and below the cache before eviction plus the new token.
+  KVCM_CHECK(indices.empty() || (indices.front() >= 0 && indices.back() < mask_tokens));
+  auto* bytes = reinterpret_cast<unsigned char*>(mask->data());
+  for (const int64_t i : indices) bytes[i >> 3] |= static_cast<unsigned char>(1u << (i & 7));
 }
 
 }  // namespace
@@ -141,6 +208,9 @@ absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
                        " (expected PER_LAYER or FOLDED)")));
   }
   params.options.layers = request.layers();
+  absl::StatusOr<DecisionEncoding> encoding = FromProto(request.decision_encoding());
+  if (!encoding.ok()) return context(encoding.status());
+  params.options.decision_encoding = *encoding;
   params.tp_world_size = request.tp_world_size() == 0 ? 1 : request.tp_world_size();
   absl::StatusOr<kernels::ScoreDtype> dtype =
       FromProto(request.score_dtype(), kernels::ScoreDtype::kFloat32);
@@ -184,6 +254,7 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out) {
   out->set_score_layout(info.score_layout == ScoreLayout::kFolded ? v1::SCORE_LAYOUT_FOLDED
                                                                    : v1::SCORE_LAYOUT_PER_LAYER);
   out->set_layers(static_cast<int32_t>(info.layers));
+  out->set_decision_encoding(ToProto(info.decision_encoding));
   if (!info.fold_weights.layer_weights.empty()) {
     v1::FoldWeights* fold = out->mutable_fold_weights();
     fold->mutable_layer_weights()->Add(info.fold_weights.layer_weights.begin(),
@@ -200,7 +271,14 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out) {
 }
 
 void ToProto(const EvictionDecision& decision, v1::Decision* out) {
-  out->mutable_evicted()->Add(decision.evicted.begin(), decision.evicted.end());
+  const int64_t mask_tokens = decision.cache_size + static_cast<int64_t>(decision.evicted.size());
+  if (EncodesAsMask(decision, mask_tokens)) {
+    KVCM_CHECK(decision.evicted_indices.size() == decision.evicted.size());  // the engine's
+    SetEvictedMask(decision.evicted_indices, mask_tokens, out->mutable_evicted_mask());
+    out->set_mask_tokens(mask_tokens);
+  } else {
+    out->mutable_evicted()->Add(decision.evicted.begin(), decision.evicted.end());
+  }
   out->set_cache_size(decision.cache_size);
   out->set_next_needs_scores(decision.next_needs_scores);
   for (const KvSlotChanges& k : decision.kv) {

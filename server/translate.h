@@ -39,7 +39,11 @@ v1::ScoreDtype ToProto(kernels::ScoreDtype dtype);
 void ToProto(const Policy& policy, v1::Policy* out);
 void ToProto(const SequenceStats& stats, v1::SequenceStats* out);
 void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out);
-// A successful step's decision into `out` (its sequence_id and step already set).
+// A successful step's decision into `out` (its sequence_id and step already set; a
+// Decision reused from an earlier batch, Clear()ed, keeps its mask buffer). The evicted
+// tokens go as positions or as a mask over `decision.evicted_indices`, as the decision's
+// encoding says (proto DecisionEncoding; AUTO: the smaller). O(evicted) for positions,
+// O(cache / 8 + evicted) for a mask.
 void ToProto(const EvictionDecision& decision, v1::Decision* out);
 // One pool's description for DescribeKvPools.
 void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out);

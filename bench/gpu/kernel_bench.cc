@@ -10,12 +10,16 @@
 //                                     128 KiB per token, 8 GiB) after evicting 90% at random:
 //                                     the moves of BlockLease::PlanCompaction
 //
-// Times are per step, measured around the kernels only (manual time: cudaEvents on the
-// GPU, a steady clock on the CPU); the CUDA steps include copying the evicted indices to
-// the host, not the scores to the device (they are taken to be resident, as after an
-// NCCL join). CUDA cases report an error and are skipped on a machine without a GPU.
+// Times are per step, around the kernels only on the CPU (a steady clock); the CUDA steps
+// are timed end to end on the host's clock (launches, the update into a second buffer,
+// selection, removal and the evicted indices' copy to the host, until the stream is done;
+// `gpu_us` is the device's own span by CUDA events), not the scores' upload (they are
+// taken to be resident, as in a CUDA score region or after an NCCL join). Every CUDA
+// case checks its result against the CPU reference afterwards and reports a mismatch as
+// its error; without a GPU the CUDA cases report "no CUDA device" and are skipped.
 //
 // Run: build/bin/kvcache-kernel-bench [--benchmark_filter=Steady]
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -232,7 +236,12 @@ struct GpuTimer {
 };
 
 bool SkipWithoutGpu(benchmark::State& state) {
-  if (kernels::cuda::VisibleDeviceCount() > 0) return false;
+  const absl::StatusOr<int> devices = kernels::cuda::VisibleDeviceCount();
+  if (!devices.ok()) {
+    state.SkipWithError(std::string(devices.status().message()).c_str());
+    return true;
+  }
+  if (*devices > 0) return false;
   state.SkipWithError("no CUDA device on this machine");
   return true;
 }
@@ -245,44 +254,115 @@ void CheckCuda(benchmark::State& state, const char* what) {
   if (!bad.ok()) state.SkipWithError(std::string(bad.message()).c_str());
 }
 
+// The CPU reference's result of one step on `in`: what the CUDA step must reproduce.
+struct StepResult {
+  std::vector<int64_t> selected;
+  std::vector<float> momentum;     // after removal
+  std::vector<int64_t> positions;  // after removal
+};
+
+StepResult CpuReferenceStep(const StepInputs& in, const StepShape& shape) {
+  StepResult r;
+  r.momentum.resize(in.momentum.size());
+  r.positions = in.positions;
+  r.selected.resize(static_cast<size_t>(shape.evict));
+  std::vector<uint64_t> scratch(static_cast<size_t>(shape.tokens));
+  int64_t invalid = 0;
+  kernels::cpu::UpdateMomentum(in.momentum.data(), r.momentum.data(), shape.tokens,
+                               in.Scores(in.scores.data()), kernels::MomentumUpdateOptions{},
+                               &invalid, nullptr);
+  kernels::cpu::SelectLowest(r.momentum.data(), 0, shape.tokens, shape.evict, r.selected.data(),
+                             scratch.data(), nullptr);
+  kernels::cpu::RemoveEntries(r.momentum.data(), r.positions.data(), shape.tokens,
+                              r.selected.data(), shape.evict, nullptr);
+  r.momentum.resize(static_cast<size_t>(shape.tokens - shape.evict));
+  r.positions.resize(static_cast<size_t>(shape.tokens - shape.evict));
+  return r;
+}
+
+template <typename T>
+std::string FirstDifference(const char* what, const std::vector<T>& got, const std::vector<T>& want) {
+  if (got.size() != want.size()) {
+    return std::string(what) + ": " + std::to_string(got.size()) + " elements, the CPU has " +
+           std::to_string(want.size());
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      return std::string(what) + "[" + std::to_string(i) + "] is " + std::to_string(got[i]) +
+             ", the CPU reference has " + std::to_string(want[i]);
+    }
+  }
+  return "";
+}
+
+// A scoring step as the device-resident engine runs it: the update out of place (the
+// double buffer), the selection, the removal, and the evicted indices copied to pinned
+// host memory. Manual time is the host's wall clock from the first launch until the
+// stream is done (end to end, launches included); `gpu_us` is the same span by CUDA
+// events. After timing, the last iteration's results are checked against the CPU
+// reference element by element: a mismatch is an error of the benchmark.
 void CudaStep(benchmark::State& state, StepShape shape, ScoreDtype dtype) {
   if (SkipWithoutGpu(state)) return;
   const StepInputs in = MakeStepInputs(shape, dtype);
+  const StepResult want = CpuReferenceStep(in, shape);
   const size_t tokens = static_cast<size_t>(shape.tokens);
+  const size_t evict = static_cast<size_t>(shape.evict);
   DeviceBuffer<uint8_t> scores(in.scores.size());
   DeviceBuffer<float> momentum_init(tokens), momentum(tokens);
   DeviceBuffer<int64_t> positions_init(tokens), positions(tokens);
-  DeviceBuffer<int64_t> selected(static_cast<size_t>(shape.evict)), invalid(1);
+  DeviceBuffer<int64_t> selected(evict), invalid(1);
   int64_t* host_selected = nullptr;  // pinned: the decision goes back to the host
-  cudaMallocHost(reinterpret_cast<void**>(&host_selected),
-                 static_cast<size_t>(shape.evict) * sizeof(int64_t));
+  cudaMallocHost(reinterpret_cast<void**>(&host_selected), evict * sizeof(int64_t));
   cudaMemcpy(scores.ptr, in.scores.data(), in.scores.size(), cudaMemcpyHostToDevice);
   cudaMemcpy(momentum_init.ptr, in.momentum.data(), tokens * sizeof(float), cudaMemcpyHostToDevice);
   cudaMemcpy(positions_init.ptr, in.positions.data(), tokens * sizeof(int64_t),
              cudaMemcpyHostToDevice);
+  // The timer's stream is non-blocking: it does not wait for the legacy stream's copies.
+  cudaDeviceSynchronize();
   GpuTimer timer;
   const kernels::MomentumUpdateOptions options;
+  double gpu_seconds = 0.0;
   for (auto _ : state) {
-    cudaMemcpyAsync(momentum.ptr, momentum_init.ptr, tokens * sizeof(float),
-                    cudaMemcpyDeviceToDevice, timer.stream);
+    // Untimed: back to the step's inputs (positions are removed from in place).
     cudaMemcpyAsync(positions.ptr, positions_init.ptr, tokens * sizeof(int64_t),
                     cudaMemcpyDeviceToDevice, timer.stream);
+    cudaStreamSynchronize(timer.stream);
+    const auto start = std::chrono::steady_clock::now();
     cudaEventRecord(timer.start, timer.stream);
-    kernels::cuda::UpdateMomentum(momentum.ptr, momentum.ptr, shape.tokens,
+    kernels::cuda::UpdateMomentum(momentum_init.ptr, momentum.ptr, shape.tokens,
                                   in.Scores(scores.ptr), options, invalid.ptr, timer.stream);
     kernels::cuda::SelectLowest(momentum.ptr, 0, shape.tokens, shape.evict, selected.ptr,
                                 nullptr, timer.stream);
     kernels::cuda::RemoveEntries(momentum.ptr, positions.ptr, shape.tokens, selected.ptr,
                                  shape.evict, timer.stream);
-    cudaMemcpyAsync(host_selected, selected.ptr, static_cast<size_t>(shape.evict) * sizeof(int64_t),
-                    cudaMemcpyDeviceToHost, timer.stream);
+    cudaMemcpyAsync(host_selected, selected.ptr, evict * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                    timer.stream);
     cudaEventRecord(timer.stop, timer.stream);
-    state.SetIterationTime(timer.Seconds());
+    cudaStreamSynchronize(timer.stream);
+    state.SetIterationTime(Seconds(start));
+    gpu_seconds += timer.Seconds();
   }
-  cudaFreeHost(host_selected);
+  state.counters["gpu_us"] = benchmark::Counter(
+      1e6 * gpu_seconds / static_cast<double>(std::max<int64_t>(1, state.iterations())));
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(in.scores.size()));
   CheckCuda(state, "CUDA step");
+  // The result check.
+  std::vector<int64_t> got_selected(host_selected, host_selected + evict);
+  cudaFreeHost(host_selected);
+  std::vector<float> got_momentum(tokens);
+  std::vector<int64_t> got_positions(tokens);
+  cudaMemcpy(got_momentum.data(), momentum.ptr, tokens * sizeof(float), cudaMemcpyDeviceToHost);
+  cudaMemcpy(got_positions.data(), positions.ptr, tokens * sizeof(int64_t), cudaMemcpyDeviceToHost);
+  got_momentum.resize(want.momentum.size());
+  got_positions.resize(want.positions.size());
+  std::string bad = FirstDifference("selected", got_selected, want.selected);
+  if (bad.empty()) bad = FirstDifference("momentum", got_momentum, want.momentum);
+  if (bad.empty()) bad = FirstDifference("positions", got_positions, want.positions);
+  if (!bad.empty()) state.SkipWithError(("result differs from the CPU reference: " + bad).c_str());
 }
+
+// Each block of the pool holds one byte value, so a copied row shows where it came from.
+uint8_t BlockFill(int64_t block) { return static_cast<uint8_t>(1 + block % 251); }
 
 void CudaCompaction(benchmark::State& state) {
   if (SkipWithoutGpu(state)) return;
@@ -292,11 +372,17 @@ void CudaCompaction(benchmark::State& state) {
     return;
   }
   const std::vector<kernels::KvMove>& moves = c->plan.moves;
+  auto* storage = static_cast<uint8_t*>(c->pool->storage().data());
+  const int64_t blocks = c->pool->storage().bytes() / kCompactionLayout.BlockBytes();
+  for (int64_t b = 0; b < blocks; ++b) {
+    cudaMemset(storage + b * kCompactionLayout.BlockBytes(), BlockFill(b),
+               static_cast<size_t>(kCompactionLayout.BlockBytes()));
+  }
   DeviceBuffer<kernels::KvMove> device_moves(moves.size());
   cudaMemcpy(device_moves.ptr, moves.data(), moves.size() * sizeof(kernels::KvMove),
              cudaMemcpyHostToDevice);
+  cudaDeviceSynchronize();  // the fills and the copy ran on the legacy stream
   GpuTimer timer;
-  void* storage = c->pool->storage().data();
   for (auto _ : state) {
     cudaEventRecord(timer.start, timer.stream);
     kernels::cuda::CompactKv(storage, kCompactionLayout, device_moves.ptr,
@@ -306,6 +392,28 @@ void CudaCompaction(benchmark::State& state) {
   }
   SetCompactionCounters(state, c->plan);
   CheckCuda(state, "CUDA compaction");
+  // The result check: sampled moves' destination rows hold their source block's bytes.
+  cudaDeviceSynchronize();
+  std::vector<uint8_t> row(static_cast<size_t>(kCompactionLayout.TokenBytes()));
+  const size_t step = std::max<size_t>(1, moves.size() / 256);
+  for (size_t m = 0; m < moves.size(); m += step) {
+    const int64_t src_block = moves[m].src_slot / kCompactionLayout.tokens_per_block;
+    for (int64_t layer = 0; layer < kLayers; layer += 7) {
+      for (int64_t kv = 0; kv < 2; ++kv) {
+        cudaMemcpy(row.data(), storage + kCompactionLayout.Offset(moves[m].dst_slot, layer, kv),
+                   row.size(), cudaMemcpyDeviceToHost);
+        for (uint8_t b : row) {
+          if (b != BlockFill(src_block)) {
+            state.SkipWithError(("compaction result: slot " + std::to_string(moves[m].dst_slot) +
+                                 " does not hold slot " + std::to_string(moves[m].src_slot) +
+                                 "'s bytes")
+                                    .c_str());
+            return;
+          }
+        }
+      }
+    }
+  }
 }
 
 #endif  // KVCM_BENCH_CUDA

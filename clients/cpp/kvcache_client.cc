@@ -1,5 +1,6 @@
 #include "clients/cpp/kvcache_client.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -25,6 +26,23 @@ void SetHalfScores(v1::StepReport* report, std::span<const float> scores, int32_
   report->set_layers(layers);
   report->set_dtype(dtype);
   report->set_head_count(head_count);
+}
+
+// Checks that a mask decision's bits cover `cache` exactly.
+absl::Status CheckMask(const v1::Decision& decision, std::span<const int64_t> cache) {
+  const int64_t tokens = decision.mask_tokens();
+  if (tokens != static_cast<int64_t>(cache.size()) ||
+      decision.evicted_mask().size() != static_cast<size_t>((tokens + 7) / 8)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", decision.sequence_id(), "' step ", decision.step(), ": the mask has ",
+        tokens, " tokens in ", decision.evicted_mask().size(), " bytes, the tracked cache ",
+        cache.size(), " (cached + the new token); the tracking is out of step"));
+  }
+  return absl::OkStatus();
+}
+
+bool MaskBit(const std::string& mask, size_t i) {
+  return (static_cast<unsigned char>(mask[i >> 3]) >> (i & 7)) & 1u;
 }
 
 }  // namespace
@@ -219,6 +237,45 @@ void SetScores(v1::StepReport* report, std::span<const float> scores, int32_t la
 }
 
 v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype) { return wire::ToProto(dtype); }
+
+absl::StatusOr<std::vector<int64_t>> EvictedPositions(const v1::Decision& decision,
+                                                      std::span<const int64_t> cache) {
+  std::vector<int64_t> evicted;
+  if (decision.mask_tokens() == 0) {
+    evicted.assign(decision.evicted().begin(), decision.evicted().end());
+    return evicted;
+  }
+  if (absl::Status s = CheckMask(decision, cache); !s.ok()) return s;
+  const std::string& mask = decision.evicted_mask();
+  for (size_t i = 0; i < cache.size(); ++i) {
+    if (MaskBit(mask, i)) evicted.push_back(cache[i]);
+  }
+  return evicted;
+}
+
+absl::StatusOr<std::vector<uint8_t>> KeepMask(const v1::Decision& decision,
+                                              std::span<const int64_t> cache) {
+  std::vector<uint8_t> keep(cache.size(), 1);
+  if (decision.mask_tokens() != 0) {
+    if (absl::Status s = CheckMask(decision, cache); !s.ok()) return s;
+    const std::string& mask = decision.evicted_mask();
+    for (size_t i = 0; i < cache.size(); ++i) keep[i] = MaskBit(mask, i) ? 0 : 1;
+    return keep;
+  }
+  // Positions, ascending: each one's index by binary search over the ascending cache.
+  auto from = cache.begin();
+  for (const int64_t position : decision.evicted()) {
+    from = std::lower_bound(from, cache.end(), position);
+    if (from == cache.end() || *from != position) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence '", decision.sequence_id(), "' step ", decision.step(),
+          ": evicted position ", position,
+          " is not in the tracked cache; the tracking is out of step"));
+    }
+    keep[static_cast<size_t>(from - cache.begin())] = 0;
+  }
+  return keep;
+}
 
 absl::StatusOr<std::vector<float>> FoldScores(std::span<const float> rows,
                                               const v1::FoldWeights& weights) {

@@ -124,6 +124,22 @@ v1::ScoreDtype ToProtoDtype(kernels::ScoreDtype dtype);
 absl::StatusOr<std::vector<float>> FoldScores(std::span<const float> rows,
                                               const v1::FoldWeights& weights);
 
+// Decision encodings (proto DecisionEncoding, chosen at open with set_decision_encoding):
+// an OK Decision carries its evicted tokens as positions (`evicted`, mask_tokens == 0) or
+// as a bit mask over the cache before eviction (`evicted_mask`, mask_tokens > 0). Either
+// form is turned into both with the cache the worker tracks: `cache` is the sequence's
+// cached positions before the step, ascending, then the step's new token ([cache_size
+// + 1] int64, host; it starts as 0 .. prefill_len - 1, and after each step is the kept
+// entries of the same span).
+// The evicted positions, ascending (a positions decision's as they are). INVALID_ARGUMENT
+// when a mask does not cover `cache` exactly: the tracking is out of step.
+absl::StatusOr<std::vector<int64_t>> EvictedPositions(const v1::Decision& decision,
+                                                      std::span<const int64_t> cache);
+// The keep mask over `cache`: [cache.size()] of 1 (kept) or 0 (evicted). INVALID_ARGUMENT
+// as above, and for an evicted position that is not in `cache`.
+absl::StatusOr<std::vector<uint8_t>> KeepMask(const v1::Decision& decision,
+                                              std::span<const int64_t> cache);
+
 // The daemon's grpc::Status as an absl::Status (same code and message).
 absl::Status FromGrpc(const grpc::Status& status);
 // A Decision's status.

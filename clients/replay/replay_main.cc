@@ -6,6 +6,7 @@
 //   kvcache-replay --trace FILE --server 127.0.0.1:50051 [--tp N]  (through kvcached)
 //   kvcache-replay --trace FILE --server ADDR --transport shm  (scores in shared memory)
 //   kvcache-replay --trace FILE --folded [--server ADDR]  (one folded row per step)
+//   kvcache-replay --trace FILE --device cuda  (the embedded engine's sequence on GPU 0)
 //
 // Exit status: 0 on success, 2 on bad input (one line on stderr naming the file line and
 // step), 1 on other failures.
@@ -22,6 +23,11 @@
 #include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_backend.h"
 #include "clients/replay/replay_run.h"
+#include "kernels/backend.h"
+#ifdef KVCM_REPLAY_HAS_CUDA
+#include "kernels/cuda/cuda_adapter.h"
+#include "kernels/cuda/cuda_backend.h"
+#endif
 
 ABSL_FLAG(std::string, trace, "", "kvtrace/1 file to replay (required)");
 ABSL_FLAG(std::string, out, "", "write decisions here instead of stdout");
@@ -42,6 +48,11 @@ ABSL_FLAG(std::string, transport, "grpc",
           "with --server, how the scores travel: grpc (inline in each report) or shm (in a "
           "shared-memory score region per rank stream that the reports reference; kvcached "
           "must run on this node with --allow_shm_scores)");
+ABSL_FLAG(std::string, device, "cpu",
+          "where the embedded engine keeps and steps the sequence: cpu, cuda (momentum and "
+          "positions on GPU --gpu, every step's kernels there; builds with CUDA only), or "
+          "emulated (the device-resident code path on the CPU, for tests)");
+ABSL_FLAG(int32_t, gpu, 0, "with --device cuda, the CUDA device ordinal");
 ABSL_FLAG(std::string, compare, "",
           "comma-separated presets (or 'all'): replay the trace under each and print a "
           "per-policy table instead of decisions");
@@ -66,6 +77,23 @@ absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend(
 #endif
 }
 
+// The embedded engine's kernel backend named by --device.
+absl::StatusOr<const kvcm::kernels::KernelBackend*> EngineBackend(const std::string& device) {
+  if (device == "cpu") return &kvcm::kernels::CpuBackend();
+  if (device == "emulated") return &kvcm::kernels::EmulatedDeviceBackend();
+  if (device == "cuda") {
+#ifdef KVCM_REPLAY_HAS_CUDA
+    const absl::StatusOr<int> devices = kvcm::kernels::cuda::VisibleDeviceCount();
+    if (!devices.ok()) return devices.status();
+    if (*devices == 0) return absl::UnavailableError("--device cuda: no CUDA device on this machine");
+    return &kvcm::kernels::cuda::CudaBackend();
+#else
+    return absl::UnimplementedError("--device cuda: this kvcache-replay was built without CUDA");
+#endif
+  }
+  return absl::InvalidArgumentError("--device is '" + device + "'; it must be cpu, cuda or emulated");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -73,6 +101,7 @@ int main(int argc, char** argv) {
       "replays a kvtrace/1 file through the eviction engine.\n"
       "  kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary] [--folded]\n"
       "  kvcache-replay --trace FILE --server ADDR [--transport grpc|shm] [--tp N] [--folded]\n"
+      "  kvcache-replay --trace FILE --device cuda [--gpu N]\n"
       "  kvcache-replay --trace FILE --compare inertia,inertia_lazy4,score_free,tova");
   absl::ParseCommandLine(argc, argv);
   using kvcm::replay::ReplayOptions;
@@ -89,6 +118,16 @@ int main(int argc, char** argv) {
   if (options.tp_ranks < 1) {
     return Fail(absl::InvalidArgumentError("--tp must be >= 1"));
   }
+  const std::string device = absl::GetFlag(FLAGS_device);
+  absl::StatusOr<const kvcm::kernels::KernelBackend*> engine = EngineBackend(device);
+  if (!engine.ok()) return Fail(engine.status());
+  if (device != "cpu" && !absl::GetFlag(FLAGS_server).empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--device " + device + " is for the embedded engine; with --server the daemon decides "
+        "where its sequences live"));
+  }
+  options.engine_backend = *engine;
+  options.device = absl::GetFlag(FLAGS_gpu);
   const std::string transport_name = absl::GetFlag(FLAGS_transport);
   const std::optional<kvcm::replay::ScoreTransport> transport =
       kvcm::replay::ParseScoreTransport(transport_name);

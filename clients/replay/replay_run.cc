@@ -75,6 +75,8 @@ absl::StatusOr<ReplaySummary> RunReplay(const ReplayOptions& options, ReplayBack
                              ? std::filesystem::path(options.trace_path).filename().string()
                              : options.sequence_id;
   SequenceOptions sequence_options = reader->header().ToSequenceOptions();
+  sequence_options.backend = options.engine_backend;
+  sequence_options.device = options.device;
   if (options.preset.has_value()) {
     sequence_options.preset = *options.preset;
     sequence_options.policy = Policy{};

@@ -14,6 +14,7 @@
 #include "cache_manager/policy.h"
 #include "cache_manager/sequence.h"
 #include "clients/replay/replay_backend.h"
+#include "kernels/backend.h"
 
 namespace kvcm::replay {
 
@@ -29,6 +30,11 @@ struct ReplayOptions {
   bool folded = false;
   bool with_momentum = false;
   std::ostream* decisions = nullptr;  // nullptr: decisions are not written
+  // The kernel backend the embedded engine's sequence runs on (SequenceOptions::backend):
+  // nullptr is the CPU; a device backend keeps the sequence on GPU `device`. Ignored by
+  // backends that are not the embedded engine.
+  const kernels::KernelBackend* engine_backend = nullptr;
+  int device = 0;
 };
 
 struct ReplaySummary {

@@ -30,8 +30,8 @@ struct HotLoops {
                               double keep);
   // Index of the first minimum of values[begin, end) (values >= 0), end > begin.
   int64_t (*arg_min)(const float* values, int64_t begin, int64_t end);
-  // Sum in double over four interleaved lanes (the order MeanMomentum documents).
-  double (*sum)(const float* values, int64_t n);
+  // The exact, order-independent sum of kernels/exact_sum.h (what MeanMomentum divides).
+  double (*exact_sum)(const float* values, int64_t n);
 };
 
 const HotLoops& BaselineHotLoops();

@@ -9,6 +9,7 @@
 #endif
 
 #include "kernels/cpu/hot_loops.h"
+#include "kernels/exact_sum.h"
 #include "kernels/half_float.h"
 
 namespace kvcm::kernels::cpu {
@@ -154,21 +155,85 @@ int64_t ArgMin(const float* values, int64_t begin, int64_t end) {
   return begin;
 }
 
-double Sum(const float* values, int64_t n) {
-  double lanes[4] = {0.0, 0.0, 0.0, 0.0};
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    for (int lane = 0; lane < 4; ++lane) lanes[lane] += static_cast<double>(values[i + lane]);
+// kernels/exact_sum.h: the largest and smallest non-zero magnitude (one vectorized
+// pass; the smallest as the minimum of bits - 1, where a zero wraps to the top), then per
+// block of 1024 values the level pieces, each level summed in eight lanes. Every level
+// sum is exact, so the lanes (and the vectorizer's choice of them) cannot change the
+// result. The last level's remainders are known to be 0 and are not formed.
+inline double SumLanes(const double* lanes) {
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+double ExactSum(const float* values, int64_t n) {
+  if (n <= 0) return 0.0;
+  uint32_t max_bits = 0;
+  uint32_t min_bits_less_one = 0xffffffffu;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = MagnitudeBits(values[i]);
+    max_bits = std::max(max_bits, b);
+    min_bits_less_one = std::min(min_bits_less_one, b - 1u);
   }
-  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-  for (; i < n; ++i) sum += static_cast<double>(values[i]);
-  return sum;
+  if (max_bits >= kInfinityBits) {
+    uint32_t flags = 0;
+    for (int64_t i = 0; i < n; ++i) flags |= NonFiniteFlags(values[i]);
+    return NonFiniteSum(flags);
+  }
+  const uint32_t min_bits =
+      min_bits_less_one == 0xffffffffu ? kNoNonZeroBits : min_bits_less_one + 1u;
+  const ExactSumPlan plan = PlanExactSum(max_bits, min_bits, n);
+  if (plan.levels == 0) return 0.0;
+  double level_sums[kMaxExactSumLevels] = {};
+  const int last = plan.levels - 1;
+  alignas(64) double rest[kBlock];
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t count = std::min(kBlock, n - base);
+    const int64_t body = count - count % 8;
+    const float* v = values + base;
+    for (int level = 0; level <= last; ++level) {
+      const double boundary = ExactSumBoundary(plan, level);
+      double lanes[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      if (level == 0 && level == last) {
+        for (int64_t i = 0; i < body; i += 8) {
+          for (int l = 0; l < 8; ++l) {
+            lanes[l] += (boundary + static_cast<double>(v[i + l])) - boundary;
+          }
+        }
+        for (int64_t i = body; i < count; ++i) {
+          lanes[0] += (boundary + static_cast<double>(v[i])) - boundary;
+        }
+      } else if (level == 0) {
+        for (int64_t i = 0; i < body; i += 8) {
+          for (int l = 0; l < 8; ++l) {
+            rest[i + l] = static_cast<double>(v[i + l]);
+            lanes[l] += ExtractPiece(boundary, &rest[i + l]);
+          }
+        }
+        for (int64_t i = body; i < count; ++i) {
+          rest[i] = static_cast<double>(v[i]);
+          lanes[0] += ExtractPiece(boundary, &rest[i]);
+        }
+      } else if (level == last) {
+        for (int64_t i = 0; i < body; i += 8) {
+          for (int l = 0; l < 8; ++l) lanes[l] += (boundary + rest[i + l]) - boundary;
+        }
+        for (int64_t i = body; i < count; ++i) lanes[0] += (boundary + rest[i]) - boundary;
+      } else {
+        for (int64_t i = 0; i < body; i += 8) {
+          for (int l = 0; l < 8; ++l) lanes[l] += ExtractPiece(boundary, &rest[i + l]);
+        }
+        for (int64_t i = body; i < count; ++i) lanes[0] += ExtractPiece(boundary, &rest[i]);
+      }
+      level_sums[level] += SumLanes(lanes);
+    }
+  }
+  return CombineLevelSums(level_sums, plan.levels);
 }
 
 }  // namespace
 
 const HotLoops& Table() {
-  static const HotLoops table{KVCM_HOT_LOOPS_ISA_NAME, &UpdateMomentum, &ArgMin, &Sum};
+  static const HotLoops table{KVCM_HOT_LOOPS_ISA_NAME, &UpdateMomentum, &ArgMin, &ExactSum};
   return table;
 }
 

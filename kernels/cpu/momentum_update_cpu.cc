@@ -54,9 +54,9 @@ void UpdateMomentum(const float* momentum_in, float* momentum_out, int64_t token
 }
 
 void MeanMomentum(const float* momentum, int64_t n, double* mean, StreamHandle /*stream*/) {
-  // Four interleaved double lanes (see HotLoops::sum): a fixed summation order, so results
-  // are reproducible, without one long dependency chain through a single register.
-  *mean = n <= 0 ? 0.0 : SelectedHotLoops().sum(momentum, n) / static_cast<double>(n);
+  // The exact, order-independent sum of kernels/exact_sum.h, which the CUDA kernel
+  // computes too: the GPU's mean is this one bit for bit.
+  *mean = n <= 0 ? 0.0 : SelectedHotLoops().exact_sum(momentum, n) / static_cast<double>(n);
 }
 
 void ConvertToFloat32(const void* src, ScoreDtype dtype, int64_t n, float* dst,
@@ -109,6 +109,36 @@ void JoinRankPartials(const ScoreMatrix* partials, int64_t ranks, int64_t total_
       for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(acc[i] / heads);
     }
   }
+}
+
+void WidenPartialSums(ScoreMatrix partial, double* wide, StreamHandle /*stream*/) {
+  for (int64_t layer = 0; layer < partial.layers; ++layer) {
+    double* dst = wide + layer * partial.tokens;
+    const void* row = partial.Row(layer);
+    switch (partial.dtype) {
+      case ScoreDtype::kFloat32: {
+        const auto* f = static_cast<const float*>(row);
+        for (int64_t i = 0; i < partial.tokens; ++i) dst[i] = static_cast<double>(f[i]);
+        break;
+      }
+      case ScoreDtype::kFloat16: {
+        const auto* h = static_cast<const uint16_t*>(row);
+        for (int64_t i = 0; i < partial.tokens; ++i) dst[i] = static_cast<double>(Float16ToFloat(h[i]));
+        break;
+      }
+      case ScoreDtype::kBFloat16: {
+        const auto* h = static_cast<const uint16_t*>(row);
+        for (int64_t i = 0; i < partial.tokens; ++i) dst[i] = static_cast<double>(BFloat16ToFloat(h[i]));
+        break;
+      }
+    }
+  }
+}
+
+void ScaleJoinedSums(const double* sums, int64_t n, int64_t total_heads, float* out,
+                     StreamHandle /*stream*/) {
+  const double heads = static_cast<double>(total_heads);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(sums[i] / heads);
 }
 
 }  // namespace kvcm::kernels::cpu

@@ -42,6 +42,42 @@ void SelectLowest(const float* values, int64_t begin, int64_t end, int64_t k,
   }
 }
 
+void SelectHighest(const float* values, int64_t count, int64_t k, int64_t* selected,
+                   uint64_t* scratch, StreamHandle /*stream*/) {
+  if (k <= 0) return;
+  if (k >= count) {
+    for (int64_t i = 0; i < count; ++i) selected[i] = i;
+    return;
+  }
+  // Buckets: the top 11 bits of a key (the exponent and 3 mantissa bits of a value >= 0,
+  // +inf included), in key order.
+  constexpr int kBuckets = 2048;
+  const auto bucket = [](uint64_t key) { return static_cast<size_t>(key >> 52); };
+  uint32_t histogram[kBuckets] = {};
+  for (int64_t i = 0; i < count; ++i) ++histogram[bucket(EvictionKey(values[i], i))];
+  int64_t above = 0;  // keys in buckets above the boundary one
+  size_t boundary = kBuckets - 1;
+  while (above + histogram[boundary] < k) above += histogram[boundary--];
+  // The k - above highest keys of the boundary bucket complete the set; the lowest of them
+  // is the threshold, and since buckets order like keys, the set is every key >= it.
+  int64_t m = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint64_t key = EvictionKey(values[i], i);
+    scratch[m] = key;
+    m += bucket(key) == boundary ? 1 : 0;
+  }
+  const int64_t need = k - above;  // 1 .. m
+  std::nth_element(scratch, scratch + (m - need), scratch + m);
+  const uint64_t threshold = scratch[m - need];
+  // Branch-free emission into the scratch (k < count slots, one spare for the last write).
+  int64_t written = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    scratch[written] = static_cast<uint64_t>(i);
+    written += EvictionKey(values[i], i) >= threshold ? 1 : 0;
+  }
+  for (int64_t j = 0; j < k; ++j) selected[j] = static_cast<int64_t>(scratch[j]);
+}
+
 void RemoveEntries(float* momentum, int64_t* positions, int64_t n, const int64_t* indices,
                    int64_t k, StreamHandle /*stream*/) {
   if (k <= 0) return;

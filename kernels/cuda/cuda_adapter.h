@@ -13,7 +13,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace kvcm::kernels::cuda {
@@ -30,9 +33,28 @@ absl::Status LaunchStatus(absl::string_view what);
 // any failure of the work enqueued on it.
 absl::Status SyncStatus(void* stream, absl::string_view what);
 
-// CUDA devices this process can use; 0 when there is no device or no driver (not an
-// error: a build with CUDA runs on machines without a GPU).
-int VisibleDeviceCount();
+// CUDA devices this process can use. 0 when the machine has no GPU (or none is visible:
+// cudaErrorNoDevice, e.g. CUDA_VISIBLE_DEVICES=""), which is not an error: a build with
+// CUDA runs on machines without one. A GPU the runtime cannot use is an error, not 0:
+// INTERNAL with the runtime's words when the driver is missing or too old although the
+// machine has an NVIDIA GPU, or on any other failure, so that GPU tests fail there
+// instead of skipping.
+absl::StatusOr<int> VisibleDeviceCount();
+
+// The decision VisibleDeviceCount makes, as a pure function of what it observed:
+// cudaGetDeviceCount's result and count, cudaDriverGetVersion's version (0: no driver
+// could be loaded), and whether the machine shows an NVIDIA GPU (/proc/driver/nvidia/gpus
+// or a /dev/nvidiaN node).
+absl::StatusOr<int> ClassifyDeviceCount(cudaError_t error, int count, int driver_version,
+                                        bool gpu_present);
+
+// Whether the machine shows an NVIDIA GPU to the operating system (driver loaded or
+// device nodes present), whatever the CUDA runtime makes of it.
+bool NvidiaGpuPresent();
+
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx": a device UUID as nvidia-smi -L and
+// CUDA_VISIBLE_DEVICES write it.
+std::string FormatDeviceUuid(const cudaUUID_t& uuid);
 
 // Makes `device` current on this thread for the guard's lifetime, then restores the
 // previous one. Check status() before relying on it.

@@ -1,12 +1,14 @@
 // CUDA kernels of kernels/cuda/momentum_update_cuda.h. Parity with the CPU reference is
 // by construction: each token's momentum is folded by one thread, layer by layer in order,
 // with the same float32 operations written as round-to-nearest intrinsics (__fmul_rn,
-// __fadd_rn, __fdiv_rn), which nvcc never contracts into an FMA.
+// __fadd_rn, __fdiv_rn), which nvcc never contracts into an FMA; MeanMomentum is the
+// exact sum of kernels/exact_sum.h.
 #include <cstdio>
 #include <cstdlib>
 
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/momentum_update_cuda.h"
+#include "kernels/exact_sum.h"
 
 namespace kvcm::kernels::cuda {
 namespace {
@@ -76,20 +78,79 @@ struct LaunchUpdate {
   }
 };
 
-// One block: a thread sums a fixed stride of elements, then a fixed-shape tree joins the
-// threads, so the double sum is the same on every run.
+// One block computes kernels/exact_sum.h, as the CPU does: the magnitude range (block
+// reductions of the largest and smallest non-zero bits), then one pass per level in
+// which every thread extracts its elements' pieces of that level (recomputing the
+// earlier levels' remainders) and the block sums them. Every level sum is exact, so the
+// block's reduction order does not matter: the result equals the CPU's bit for bit.
 constexpr int kMeanThreads = 1024;
+
+struct MaxBits {
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; }
+};
+struct MinBits {
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a < b ? a : b; }
+};
+struct OrBits {
+  __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a | b; }
+};
 
 __global__ void __launch_bounds__(kMeanThreads)
     MeanMomentumKernel(const float* momentum, int64_t n, double* mean) {
-  using Reduce = cub::BlockReduce<double, kMeanThreads>;
-  __shared__ typename Reduce::TempStorage storage;
-  double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += kMeanThreads) {
-    sum = __dadd_rn(sum, static_cast<double>(momentum[i]));
+  using BitsReduce = cub::BlockReduce<uint32_t, kMeanThreads>;
+  using SumReduce = cub::BlockReduce<double, kMeanThreads>;
+  __shared__ union {
+    typename BitsReduce::TempStorage bits;
+    typename SumReduce::TempStorage sum;
+  } storage;
+  __shared__ uint32_t shared_max;
+  __shared__ uint32_t shared_min;
+  __shared__ double level_sums[kMaxExactSumLevels];
+
+  if (n <= 0) {
+    if (threadIdx.x == 0) *mean = 0.0;
+    return;
   }
-  const double total = Reduce(storage).Sum(sum);
-  if (threadIdx.x == 0) *mean = n > 0 ? __ddiv_rn(total, static_cast<double>(n)) : 0.0;
+  uint32_t max_bits = 0;
+  uint32_t min_bits = kNoNonZeroBits;
+  for (int64_t i = threadIdx.x; i < n; i += kMeanThreads) {
+    const uint32_t b = MagnitudeBits(momentum[i]);
+    max_bits = b > max_bits ? b : max_bits;
+    min_bits = (b != 0 && b < min_bits) ? b : min_bits;
+  }
+  max_bits = BitsReduce(storage.bits).Reduce(max_bits, MaxBits{});
+  if (threadIdx.x == 0) shared_max = max_bits;
+  __syncthreads();
+  min_bits = BitsReduce(storage.bits).Reduce(min_bits, MinBits{});
+  if (threadIdx.x == 0) shared_min = min_bits;
+  __syncthreads();
+  max_bits = shared_max;
+  min_bits = shared_min;
+
+  if (max_bits >= kInfinityBits) {  // uniform across the block
+    uint32_t flags = 0;
+    for (int64_t i = threadIdx.x; i < n; i += kMeanThreads) flags |= NonFiniteFlags(momentum[i]);
+    flags = BitsReduce(storage.bits).Reduce(flags, OrBits{});
+    if (threadIdx.x == 0) *mean = __ddiv_rn(NonFiniteSum(flags), static_cast<double>(n));
+    return;
+  }
+  const ExactSumPlan plan = PlanExactSum(max_bits, min_bits, n);
+  for (int level = 0; level < plan.levels; ++level) {
+    double piece_sum = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += kMeanThreads) {
+      double rest = static_cast<double>(momentum[i]);
+      double piece = 0.0;
+      for (int j = 0; j <= level; ++j) piece = ExtractPiece(ExactSumBoundary(plan, j), &rest);
+      piece_sum = __dadd_rn(piece_sum, piece);
+    }
+    const double total = SumReduce(storage.sum).Sum(piece_sum);
+    if (threadIdx.x == 0) level_sums[level] = total;
+    __syncthreads();  // the reduction storage is reused by the next level
+  }
+  if (threadIdx.x == 0) {
+    const double sum = plan.levels == 0 ? 0.0 : CombineLevelSums(level_sums, plan.levels);
+    *mean = __ddiv_rn(sum, static_cast<double>(n));
+  }
 }
 
 template <ScoreDtype D>

@@ -1,8 +1,8 @@
 // CUDA kernels of kernels/momentum_update.h, with the CPU reference's signatures and
-// results: UpdateMomentum, ConvertToFloat32 and JoinRankPartials match it bit for bit
-// (same float32 / float64 operations in the same order, rounded to nearest, never
-// contracted into FMA); MeanMomentum sums in double in a fixed tree order, so it is
-// deterministic but may differ from the CPU's order by the rounding of a double sum.
+// results, bit for bit: UpdateMomentum, ConvertToFloat32, JoinRankPartials and the join
+// halves use the same float32 / float64 operations in the same order, rounded to nearest,
+// never contracted into FMA; MeanMomentum computes the exact, order-independent sum of
+// kernels/exact_sum.h, as the CPU does.
 //
 // Every pointer is device memory unless stated; `stream` is a cudaStream_t (nullptr: the
 // legacy default stream). Launchers only enqueue work: they never allocate or synchronize,
@@ -26,7 +26,7 @@ void UpdateMomentum(const float* momentum_in, float* momentum_out, int64_t token
                     ScoreMatrix scores, MomentumUpdateOptions options,
                     int64_t* invalid_count, StreamHandle stream);
 
-// momentum: [n] f32.  mean: [1] f64 (0 when n == 0).
+// momentum: [n] f32.  mean: [1] f64 (0 when n == 0).  REQUIRES: n <= kMaxExactSumCount.
 void MeanMomentum(const float* momentum, int64_t n, double* mean, StreamHandle stream);
 
 // src: [n] of `dtype`.  dst: [n] f32.
@@ -42,11 +42,7 @@ inline constexpr int64_t kMaxJoinRanks = 64;
 void JoinRankPartials(const ScoreMatrix* partials, int64_t ranks, int64_t total_heads,
                       float* out, StreamHandle stream);
 
-// The two halves of the tensor-parallel join around an all-reduce (NcclCommunicator):
-// each rank widens its partial sums to double, the ranks sum them, and each rank scales
-// the sum. With exact double sums (always, unless a layer's values span more than about
-// 2^28 in magnitude) the result equals JoinRankPartials bit for bit.
-// partial: [layers, tokens] f32/f16/bf16.   wide: [layers * tokens] f64 dense.
+// The halves of the join around an all-reduce (see cpu::WidenPartialSums).
 void WidenPartialSums(ScoreMatrix partial, double* wide, StreamHandle stream);
 // sums: [n] f64.  out: [n] f32 = float(sums / total_heads).
 void ScaleJoinedSums(const double* sums, int64_t n, int64_t total_heads, float* out,

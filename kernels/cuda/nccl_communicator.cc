@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/momentum_update_cuda.h"
+#include "absl/time/clock.h"
 
 namespace kvcm::kernels::cuda {
 namespace {
@@ -21,13 +22,60 @@ absl::Status NcclStatus(ncclResult_t result, absl::string_view what) {
 }  // namespace
 
 struct NcclCommunicator::Comms {
-  std::vector<ncclComm_t> comm;
+  std::vector<ncclComm_t> comm;  // null once aborted
   ~Comms() {
     for (ncclComm_t c : comm) {
       if (c != nullptr) ncclCommDestroy(c);
     }
   }
 };
+
+void NcclCommunicator::AbortLocked() {
+  for (ncclComm_t& c : comms_->comm) {
+    if (c != nullptr) ncclCommAbort(c);
+    c = nullptr;
+  }
+  aborted_ = true;
+}
+
+absl::Status NcclCommunicator::Wait(std::span<const StreamHandle> streams, absl::Duration timeout) {
+  if (static_cast<int32_t>(streams.size()) != world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Wait: ", streams.size(),
+                                                   " streams for a world of ", world_size()));
+  }
+  absl::MutexLock lock(&mu_);
+  if (aborted_) return absl::FailedPreconditionError("Wait: the communicator was aborted");
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    bool done = true;
+    for (int32_t r = 0; r < world_size(); ++r) {
+      ScopedDevice device(devices_[static_cast<size_t>(r)]);
+      if (!device.status().ok()) return device.status();
+      const cudaError_t query = cudaStreamQuery(static_cast<cudaStream_t>(streams[r]));
+      if (query == cudaErrorNotReady) {
+        done = false;
+      } else if (query != cudaSuccess) {
+        AbortLocked();
+        return CudaStatus(query, absl::StrCat("the join's stream on rank ", r));
+      }
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t asked = ncclCommGetAsyncError(comms_->comm[static_cast<size_t>(r)], &async);
+      const ncclResult_t failure = asked != ncclSuccess ? asked : async;
+      if (failure != ncclSuccess && failure != ncclInProgress) {
+        AbortLocked();
+        return NcclStatus(failure, absl::StrCat("the join on rank ", r));
+      }
+    }
+    if (done) return absl::OkStatus();
+    if (absl::Now() >= deadline) {
+      AbortLocked();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the NCCL join did not finish within ", absl::FormatDuration(timeout),
+          "; the communicators were aborted"));
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
+}
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     std::vector<int> devices) {
@@ -40,7 +88,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     return absl::InvalidArgumentError(
         "NcclCommunicator: a device is listed twice; NCCL runs one rank per device");
   }
-  const int visible = VisibleDeviceCount();
+  const absl::StatusOr<int> devices_visible = VisibleDeviceCount();
+  if (!devices_visible.ok()) return devices_visible.status();
+  const int visible = *devices_visible;
   if (sorted.front() < 0 || sorted.back() >= visible) {
     return absl::InvalidArgumentError(absl::StrCat("NcclCommunicator: devices must be 0 to ",
                                                    visible - 1, " (", visible, " visible)"));
@@ -70,6 +120,9 @@ absl::Status NcclCommunicator::AllReduceSum(std::span<double* const> buffers, in
   }
   if (count == 0) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
+  if (aborted_) {
+    return absl::FailedPreconditionError("AllReduceSum: the communicator was aborted");
+  }
   absl::Status status = NcclStatus(ncclGroupStart(), "ncclGroupStart");
   if (!status.ok()) return status;
   for (int32_t r = 0; r < world_size() && status.ok(); ++r) {

@@ -10,8 +10,8 @@
 // (see kernels/cuda/momentum_update_cuda.h).
 //
 // Thread-safe: collectives are issued under one mutex, so every rank sees them in the same
-// order. Calls enqueue work on the given streams and return; synchronize the streams (or
-// kernels::cuda::SyncStatus) to wait for the results and for asynchronous NCCL errors.
+// order. Calls enqueue work on the given streams and return; Wait() waits for the results
+// while polling for asynchronous NCCL errors under a timeout.
 // NCCL failures are INTERNAL with ncclGetErrorString's text.
 #ifndef KVCM_KERNELS_CUDA_NCCL_COMMUNICATOR_H_
 #define KVCM_KERNELS_CUDA_NCCL_COMMUNICATOR_H_
@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/score_matrix.h"
 
 namespace kvcm::kernels::cuda {
@@ -60,13 +61,24 @@ class NcclCommunicator {
   // the same layers and tokens, and total_heads >= 1.
   absl::Status JoinPartialSums(std::span<const RankJoinBuffers> ranks, int64_t total_heads);
 
+  // Waits until every rank's stream (streams[r] on device(r)) has finished what was
+  // enqueued on it, polling each rank's ncclCommGetAsyncError meanwhile, so that a failed
+  // or hung collective is an error instead of a hang: INTERNAL with NCCL's text (or the
+  // stream's CUDA error), DEADLINE_EXCEEDED after `timeout`. Either error aborts the
+  // communicators (ncclCommAbort); every later call then fails with FAILED_PRECONDITION.
+  absl::Status Wait(std::span<const StreamHandle> streams, absl::Duration timeout);
+
  private:
   struct Comms;
   NcclCommunicator(std::vector<int> devices, std::unique_ptr<Comms> comms);
 
+  // Aborts every communicator after a failure (REQUIRES: mu_ held).
+  void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const std::vector<int> devices_;
   absl::Mutex mu_;
   const std::unique_ptr<Comms> comms_ ABSL_PT_GUARDED_BY(mu_);
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace kvcm::kernels::cuda

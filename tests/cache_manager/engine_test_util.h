@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "cache_manager/check.h"
+#include "cache_manager/kv_pools.h"
 #include "cache_manager/sequence.h"
 #include "kernels/score_matrix.h"
 
@@ -27,6 +29,16 @@ struct DenseScores {
                                          static_cast<int64_t>(layers.size()), tokens);
   }
 };
+
+// A sequence of `prefill` tokens with a budget of `budget` tokens under a named preset.
+inline SequenceOptions PresetOptions(int64_t prefill, int64_t budget,
+                                     const char* preset = "inertia") {
+  SequenceOptions o;
+  o.prefill_len = prefill;
+  o.budget = BudgetSpec::Tokens(budget);
+  o.preset = preset;
+  return o;
+}
 
 inline absl::Status StepWith(Sequence& s, int64_t step, const Layers& layers,
                              EvictionDecision* d) {
@@ -50,6 +62,24 @@ inline Layers RandomLayers(std::mt19937_64& rng, int64_t layers, int64_t tokens,
     }
   }
   return out;
+}
+
+// Host KV pools for engine tests: `ranks` pools of `blocks` blocks, each 4 tokens of 2
+// layers, one head of 4 float16 values.
+inline kernels::KvBlockLayout SmallKvLayout() {
+  kernels::KvBlockLayout l;
+  l.tokens_per_block = 4;
+  l.layers = 2;
+  l.kv_heads = 1;
+  l.head_dim = 4;
+  l.dtype = kernels::KvDtype::kFloat16;
+  return l;
+}
+inline std::unique_ptr<KvPools> SmallHostKvPools(int32_t ranks, int64_t blocks) {
+  auto pools = KvPools::Create(ranks, SmallKvLayout(), blocks * SmallKvLayout().BlockBytes(),
+                               [](const BlockPoolOptions& o) { return BlockPool::CreateHost(o); });
+  KVCM_CHECK(pools.ok());
+  return *std::move(pools);
 }
 
 }  // namespace kvcm::testing

@@ -13,21 +13,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-kernels::KvBlockLayout Layout() {
-  kernels::KvBlockLayout l;
-  l.tokens_per_block = 4;
-  l.layers = 2;
-  l.kv_heads = 1;
-  l.head_dim = 4;
-  l.dtype = kernels::KvDtype::kFloat16;
-  return l;
-}
-
 std::unique_ptr<KvPools> Pools(int32_t ranks, int64_t blocks) {
-  auto pools = KvPools::Create(ranks, Layout(), blocks * Layout().BlockBytes(),
-                               [](const BlockPoolOptions& o) { return BlockPool::CreateHost(o); });
-  EXPECT_TRUE(pools.ok()) << pools.status();
-  return *std::move(pools);
+  return testing::SmallHostKvPools(ranks, blocks);
 }
 
 SequenceOptions Options(int64_t prefill, int64_t budget, const char* preset = "inertia") {

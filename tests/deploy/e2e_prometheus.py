@@ -5,7 +5,8 @@ Prometheus, all on loopback:
  1. start kvcached on free ports and wait until it reports kvcache_serving 1;
  2. start Prometheus (temporary storage, scrape and rule evaluation every 1s) scraping the
     daemon's metrics port as job "kvcached", with the rules of the chart loaded;
- 3. run kvcache-loadgen against the daemon for a few seconds, then let a few scrapes pass;
+ 3. run kvcache-loadgen against the daemon for a few seconds (eviction-quality
+    diagnostics on for every step), then let a few scrapes pass;
  4. check that the daemon exports exactly the kvcache_ names of docs/METRICS.md and every
     name the dashboard and the rules reference;
  5. evaluate every query of the dashboard (as Grafana would: range query, $__rate_interval
@@ -142,7 +143,10 @@ class Run:
                 f"--drain_deadline={a.drain_seconds}s",
                 # Small host KV pools, so that the pool panels and rules see leased blocks.
                 "--tp_ranks=2", "--pool_memory_bytes=16777216", "--kv_layers=4", "--kv_heads=2",
-                "--kv_head_dim=16", "--kv_tokens_per_block=16", "--kv_shared_memory=false"])
+                "--kv_head_dim=16", "--kv_tokens_per_block=16", "--kv_shared_memory=false",
+                # Eviction-quality diagnostics on every scoring step of every sequence, so
+                # that the dashboard's "Eviction quality" row has data.
+                "--diagnostics_every=1", "--diagnostics_sample=1.0"])
             wait_for("kvcached to report kvcache_serving 1",
                      lambda: any(l.startswith("kvcache_serving") and l.split()[-1] in ("1", "1.0")
                                  for l in http_get(f"http://{target}/metrics").splitlines()),
@@ -196,6 +200,8 @@ class Run:
             for expr in ('kvcache_serving{job="kvcached"} == 1',
                          'sum(kvcache_steps_total{job="kvcached", policy="inertia"}) > 0',
                          'sum(kvcache_requests_total{job="kvcached"}) > 0',
+                         'sum(kvcache_diag_steps_total{job="kvcached", policy="inertia"}) > 0',
+                         'sum(kvcache_diag_evicted_total{job="kvcached", policy="inertia"}) > 0',
                          'kvcache_build_info{job="kvcached"}'):
                 r = api(prom, "/api/v1/query", query=expr)
                 self.f.check(r.get("status") == "success" and r["data"]["result"],

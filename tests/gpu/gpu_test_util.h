@@ -12,13 +12,16 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_adapter.h"
 
-// Skips the test when this machine has no usable CUDA device (CI without a GPU).
-#define KVCM_SKIP_WITHOUT_GPU()                                         \
-  do {                                                                  \
-    if (::kvcm::kernels::cuda::VisibleDeviceCount() == 0) {             \
-      GTEST_SKIP() << "no CUDA device (or no driver) on this machine";  \
-    }                                                                   \
+// Skips the test when this machine has no GPU (CI without one), and FAILS it when the
+// machine has one the runtime cannot use (a broken or missing driver must not pass as
+// "no GPU"; see kernels::cuda::VisibleDeviceCount).
+#define KVCM_SKIP_WITHOUT_GPU()                                                     \
+  do {                                                                              \
+    const ::absl::StatusOr<int> kvcm_devices_ = ::kvcm::kernels::cuda::VisibleDeviceCount(); \
+    ASSERT_TRUE(kvcm_devices_.ok()) << kvcm_devices_.status();                      \
+    if (*kvcm_devices_ == 0) GTEST_SKIP() << "no CUDA device on this machine";      \
   } while (0)
+
 
 // Fails the test (and returns) when a CUDA call fails.
 #define KVCM_ASSERT_CUDA(expr)                                                        \
@@ -37,6 +40,13 @@
   } while (0)
 
 namespace kvcm::testing {
+
+// The number of usable devices, or 0 after failing the test on a broken driver.
+inline int GpuCountOrFail() {
+  const absl::StatusOr<int> devices = kernels::cuda::VisibleDeviceCount();
+  EXPECT_TRUE(devices.ok()) << devices.status();
+  return devices.ok() ? *devices : 0;
+}
 
 // `n` elements of T in device memory on the current device, freed on destruction.
 template <typename T>
@@ -57,16 +67,23 @@ class DeviceArray {
   T* get() const { return data_; }
   size_t size() const { return n_; }
 
+  // Waits for the copy to land: a pageable cudaMemcpy may return before its DMA is done,
+  // and kernels on a non-blocking stream are not ordered after the legacy stream.
   void Upload(const std::vector<T>& host) {
     EXPECT_EQ(host.size(), n_);
-    const cudaError_t error =
+    cudaError_t error =
         cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+    if (error == cudaSuccess) error = cudaDeviceSynchronize();
     EXPECT_EQ(error, cudaSuccess) << kernels::cuda::CudaStatus(error, "upload");
   }
+  // Waits for every stream first (work on a non-blocking stream is not ordered before
+  // the legacy stream's copy).
   std::vector<T> Download() const {
     std::vector<T> host(n_);
-    const cudaError_t error =
-        cudaMemcpy(host.data(), data_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    cudaError_t error = cudaDeviceSynchronize();
+    if (error == cudaSuccess) {
+      error = cudaMemcpy(host.data(), data_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    }
     EXPECT_EQ(error, cudaSuccess) << kernels::cuda::CudaStatus(error, "download");
     return host;
   }

@@ -1,8 +1,9 @@
 // Parity of the CUDA kernels with the CPU reference: both run on the same seeded inputs
 // at odd sizes (1, 7, 111, 4096, 65537) with strided layers, and every element must match
-// bit for bit. The one tolerance: MeanMomentum sums in a different (fixed) order, so its
-// double result may differ by the rounding of two double sums of n terms:
-// |gpu - cpu| <= 2 eps n mean (eps = DBL_EPSILON).
+// bit for bit, MeanMomentum included (both compute the exact sum of kernels/exact_sum.h).
+// Then the step at its real shapes: the first step of a 128k context (131,073 tokens x
+// 32 layers, 117,966 evicted) and a steady step at a 6,400-token budget (6,401 tokens,
+// k = 1), update + select + remove on both, compared element by element.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -19,11 +20,13 @@
 #include "kernels/cuda/momentum_update_cuda.h"
 #include "kernels/cuda/score_validation_cuda.h"
 #include "kernels/cuda/selection_cuda.h"
+#include "kernels/cuda/token_arrays_cuda.h"
 #include "kernels/half_float.h"
 #include "kernels/kv_compaction.h"
 #include "kernels/momentum_update.h"
 #include "kernels/score_validation.h"
 #include "kernels/selection.h"
+#include "kernels/token_arrays.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace kvcm::kernels {
@@ -238,6 +241,40 @@ TEST_P(ScoreKernelParityTest, JoinRankPartialsIsBitIdentical) {
   }
 }
 
+TEST_P(ScoreKernelParityTest, WidenAndScaleMatchTheirCpuTwins) {
+  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 23);
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  const size_t count = static_cast<size_t>(kLayers * n());
+  std::vector<double> cpu_wide(count);
+  cpu::WidenPartialSums(scores.Host(), cpu_wide.data(), nullptr);
+  DeviceArray<double> wide(count);
+  cuda::WidenPartialSums(scores.At(device_scores.get()), wide.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("WidenPartialSums");
+  EXPECT_EQ(FirstMismatch(wide.Download(), cpu_wide), -1);
+  std::vector<float> cpu_scaled(count);
+  cpu::ScaleJoinedSums(cpu_wide.data(), static_cast<int64_t>(count), 7, cpu_scaled.data(), nullptr);
+  DeviceArray<float> scaled(count);
+  cuda::ScaleJoinedSums(wide.get(), static_cast<int64_t>(count), 7, scaled.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("ScaleJoinedSums");
+  EXPECT_EQ(FirstMismatch(scaled.Download(), cpu_scaled), -1);
+}
+
+TEST_P(ScoreKernelParityTest, AnInvalidOutOfPlaceUpdateLeavesTheMomentumUntouched) {
+  // The engine's double buffer: it updates into a second buffer and keeps the first when
+  // any score is invalid. The kernel must not write its input.
+  const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 31, /*bad=*/1);
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  const std::vector<float> momentum = RandomMomentum(n(), 12);
+  DeviceArray<float> in(momentum);
+  DeviceArray<float> out(momentum.size());
+  DeviceArray<int64_t> invalid(1);
+  cuda::UpdateMomentum(in.get(), out.get(), n(), scores.At(device_scores.get()),
+                       MomentumUpdateOptions{}, invalid.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
+  EXPECT_EQ(invalid.Download()[0], 1);
+  EXPECT_EQ(FirstMismatch(in.Download(), momentum), -1);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     SizesAndDtypes, ScoreKernelParityTest,
     ::testing::Combine(::testing::ValuesIn(kSizes), ::testing::ValuesIn(kDtypes)),
@@ -252,21 +289,72 @@ class ArrayKernelParityTest : public ::testing::TestWithParam<int64_t> {
   int64_t n() const { return GetParam(); }
 };
 
-TEST_P(ArrayKernelParityTest, MeanMomentumAgreesWithinTheRoundingOfADoubleSum) {
-  const std::vector<float> momentum = RandomMomentum(n(), 8);
-  double cpu_mean = -1.0;
-  cpu::MeanMomentum(momentum.data(), n(), &cpu_mean, nullptr);
-  DeviceArray<float> device(momentum);
-  DeviceArray<double> mean(1);
-  cuda::MeanMomentum(device.get(), n(), mean.get(), nullptr);
-  KVCM_ASSERT_KERNELS_OK("MeanMomentum");
-  const double sum = std::accumulate(momentum.begin(), momentum.end(), 0.0);
-  const double tolerance = 2.0 * DBL_EPSILON * sum;  // = 2 eps n mean
-  EXPECT_NEAR(mean.Download()[0], cpu_mean, tolerance);
+// Momentum as the engine holds it (attention-like: many tiny values, a few large), with
+// zeros and, when `wide`, subnormals and large values too: the exact sum then needs
+// several levels.
+std::vector<float> EngineLikeMomentum(int64_t n, uint64_t seed, bool wide) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  std::vector<float> m(static_cast<size_t>(n));
+  for (float& x : m) {
+    const float y = uniform(rng);
+    x = y * y * y * 1e-3f;
+    if (rng() % 61 == 0) x = 0.0f;
+    if (wide && rng() % 97 == 0) x = std::ldexp(1.0f, -140) * static_cast<float>(rng() % 1000);
+    if (wide && rng() % 89 == 0) x = 3e7f * y;
+  }
+  return m;
+}
 
-  cuda::MeanMomentum(device.get(), 0, mean.get(), nullptr);
+TEST_P(ArrayKernelParityTest, MeanMomentumIsBitIdentical) {
+  DeviceArray<double> mean(1);
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE("n=" + std::to_string(n()) + " variant " + std::to_string(variant));
+    const std::vector<float> momentum =
+        variant == 0 ? RandomMomentum(n(), 8) : EngineLikeMomentum(n(), 9, variant == 2);
+    double cpu_mean = -1.0;
+    cpu::MeanMomentum(momentum.data(), n(), &cpu_mean, nullptr);
+    DeviceArray<float> device(momentum);
+    cuda::MeanMomentum(device.get(), n(), mean.get(), nullptr);
+    KVCM_ASSERT_KERNELS_OK("MeanMomentum");
+    const double gpu_mean = mean.Download()[0];
+    EXPECT_EQ(std::memcmp(&gpu_mean, &cpu_mean, sizeof(double)), 0)
+        << "gpu " << gpu_mean << " cpu " << cpu_mean;
+  }
+  cuda::MeanMomentum(nullptr, 0, mean.get(), nullptr);
   KVCM_ASSERT_KERNELS_OK("MeanMomentum of nothing");
   EXPECT_EQ(mean.Download()[0], 0.0);
+}
+
+TEST_P(ArrayKernelParityTest, AppendEntryAndGatherPositionsMatch) {
+  std::vector<float> momentum = RandomMomentum(n() + 1, 10);
+  std::vector<int64_t> positions(static_cast<size_t>(n() + 1));
+  std::iota(positions.begin(), positions.end(), int64_t{7});
+  DeviceArray<float> m(momentum);
+  DeviceArray<int64_t> p(positions);
+  DeviceArray<double> mean(std::vector<double>{1.0 / 3.0});
+  cuda::AppendEntry(m.get(), p.get(), n(), 999, 0.0f, mean.get(), nullptr);
+  const double third = 1.0 / 3.0;
+  cpu::AppendEntry(momentum.data(), positions.data(), n(), 999, 0.0f, &third, nullptr);
+  if (n() > 1) {
+    cuda::AppendEntry(m.get(), p.get(), 0, -5, 0.75f, nullptr, nullptr);
+    cpu::AppendEntry(momentum.data(), positions.data(), 0, -5, 0.75f, nullptr, nullptr);
+  }
+  KVCM_ASSERT_KERNELS_OK("AppendEntry");
+  EXPECT_EQ(FirstMismatch(m.Download(), momentum), -1);
+  EXPECT_EQ(p.Download(), positions);
+
+  std::vector<int64_t> indices;
+  for (int64_t i = 0; i <= n(); i += 3) indices.push_back(i);
+  std::vector<int64_t> want(indices.size());
+  cpu::GatherPositions(positions.data(), indices.data(), static_cast<int64_t>(indices.size()),
+                       want.data(), nullptr);
+  DeviceArray<int64_t> device_indices(indices);
+  DeviceArray<int64_t> out(indices.size());
+  cuda::GatherPositions(p.get(), device_indices.get(), static_cast<int64_t>(indices.size()),
+                        out.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("GatherPositions");
+  EXPECT_EQ(out.Download(), want);
 }
 
 // Values with many exact ties (multiples of 1/16), zeros of both signs.
@@ -355,6 +443,95 @@ TEST_P(ArrayKernelParityTest, RemoveEntriesKeepsTheSameSurvivorsInOrder) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, ArrayKernelParityTest, ::testing::ValuesIn(kSizes));
+
+// A whole step at the shapes that matter: update (out of place), select, remove.
+struct StepShape {
+  const char* name;
+  int64_t tokens;  // the cache before the step plus the new token
+  int64_t evict;
+};
+constexpr StepShape kStepShapes[] = {
+    {"FirstStep128k", 131073, 131073 - 13107},  // 90% of a 131,072-token prefill: 117,966
+    {"SteadyStep6400", 6401, 1},                // one in, one out at a 6,400-token budget
+};
+
+class StepShapeParityTest
+    : public ::testing::TestWithParam<std::tuple<StepShape, ScoreDtype>> {
+ protected:
+  void SetUp() override { KVCM_SKIP_WITHOUT_GPU(); }
+};
+
+TEST_P(StepShapeParityTest, UpdateSelectAndRemoveMatchTheCpuElementByElement) {
+  const auto& [shape, dtype] = GetParam();
+  constexpr int64_t kStepLayers = 32;
+  const int64_t n = shape.tokens;
+  ASSERT_EQ(shape.evict, shape.tokens == 131073 ? 117966 : 1);
+  // Attention-like scores (mostly tiny, a few large), dense rows as a worker sends them.
+  HostScores scores{dtype, kStepLayers, n, n, {}};
+  const size_t size = ScoreDtypeSize(dtype);
+  scores.bytes.resize(static_cast<size_t>(kStepLayers * n) * size);
+  std::mt19937_64 rng(42);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  for (int64_t i = 0; i < kStepLayers * n; ++i) {
+    const float x = uniform(rng);
+    Store(dtype, x * x * x * 1e-3f, scores.bytes.data() + static_cast<size_t>(i) * size);
+  }
+  std::vector<float> momentum(static_cast<size_t>(n));
+  for (float& m : momentum) m = uniform(rng) * 1e-3f;
+  momentum.back() = 0.0f;  // the new token joins a scoring step at 0
+  std::vector<int64_t> positions(static_cast<size_t>(n));
+  std::iota(positions.begin(), positions.end(), int64_t{0});
+
+  // CPU reference.
+  const MomentumUpdateOptions options;
+  std::vector<float> cpu_m(momentum.size());
+  int64_t cpu_invalid = -1;
+  cpu::UpdateMomentum(momentum.data(), cpu_m.data(), n, scores.Host(), options, &cpu_invalid,
+                      nullptr);
+  ASSERT_EQ(cpu_invalid, 0);
+  std::vector<int64_t> cpu_selected(static_cast<size_t>(shape.evict));
+  std::vector<uint64_t> scratch(static_cast<size_t>(n));
+  cpu::SelectLowest(cpu_m.data(), 0, n, shape.evict, cpu_selected.data(), scratch.data(), nullptr);
+  std::vector<float> cpu_updated = cpu_m;
+  std::vector<int64_t> cpu_p = positions;
+  cpu::RemoveEntries(cpu_m.data(), cpu_p.data(), n, cpu_selected.data(), shape.evict, nullptr);
+  cpu_m.resize(static_cast<size_t>(n - shape.evict));
+  cpu_p.resize(static_cast<size_t>(n - shape.evict));
+
+  // CUDA.
+  DeviceArray<uint8_t> device_scores(scores.bytes);
+  DeviceArray<float> in(momentum);
+  DeviceArray<float> out(momentum.size());
+  DeviceArray<int64_t> p(positions);
+  DeviceArray<int64_t> invalid(1);
+  DeviceArray<int64_t> selected(static_cast<size_t>(shape.evict));
+  cuda::UpdateMomentum(in.get(), out.get(), n, scores.At(device_scores.get()), options,
+                       invalid.get(), nullptr);
+  KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
+  EXPECT_EQ(invalid.Download()[0], 0);
+  EXPECT_EQ(FirstMismatch(out.Download(), cpu_updated), -1);
+  cuda::SelectLowest(out.get(), 0, n, shape.evict, selected.get(), nullptr, nullptr);
+  KVCM_ASSERT_KERNELS_OK("SelectLowest");
+  const std::vector<int64_t> gpu_selected = selected.Download();
+  ASSERT_EQ(FirstMismatch(gpu_selected, cpu_selected), -1);
+  cuda::RemoveEntries(out.get(), p.get(), n, selected.get(), shape.evict, nullptr);
+  KVCM_ASSERT_KERNELS_OK("RemoveEntries");
+  std::vector<float> gpu_m = out.Download();
+  std::vector<int64_t> gpu_p = p.Download();
+  gpu_m.resize(cpu_m.size());
+  gpu_p.resize(cpu_p.size());
+  EXPECT_EQ(FirstMismatch(gpu_m, cpu_m), -1);
+  EXPECT_EQ(FirstMismatch(gpu_p, cpu_p), -1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RealShapes, StepShapeParityTest,
+    ::testing::Combine(::testing::ValuesIn(kStepShapes),
+                       ::testing::Values(ScoreDtype::kFloat32, ScoreDtype::kFloat16)),
+    [](const ::testing::TestParamInfo<std::tuple<StepShape, ScoreDtype>>& param_info) {
+      return std::string(std::get<0>(param_info.param).name) + "_" +
+             ScoreDtypeName(std::get<1>(param_info.param));
+    });
 
 class CompactKvParityTest
     : public ::testing::TestWithParam<std::tuple<int64_t, KvBlockLayout>> {

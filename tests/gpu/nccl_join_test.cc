@@ -57,7 +57,7 @@ class NcclJoinTest : public ::testing::TestWithParam<int32_t> {
  protected:
   void SetUp() override {
     KVCM_SKIP_WITHOUT_GPU();
-    const int devices = kernels::cuda::VisibleDeviceCount();
+    const int devices = testing::GpuCountOrFail();
     if (devices < ranks()) {
       GTEST_SKIP() << ranks() << " ranks need " << ranks()
                    << " GPUs (NCCL runs one rank per device); this machine has " << devices;
@@ -126,6 +126,10 @@ class NcclJoinTest : public ::testing::TestWithParam<int32_t> {
     }
     const absl::Status status = comm_->JoinPartialSums(buffers, testing::kTotalHeads);
     EXPECT_TRUE(status.ok()) << status;
+    std::vector<kernels::StreamHandle> streams;
+    for (const RankState& s : state_) streams.push_back(s.stream);
+    const absl::Status waited = comm_->Wait(streams, absl::Seconds(60));
+    EXPECT_TRUE(waited.ok()) << waited;
     std::vector<std::vector<float>> joined;
     for (RankState& s : state_) {
       ScopedDevice on(s.device);
@@ -179,6 +183,11 @@ TEST_P(NcclJoinTest, ASequenceSteppedWithTheGpuJoinDecidesLikeTheHostJoin) {
   }
 }
 
+TEST_P(NcclJoinTest, WaitRefusesTheWrongNumberOfStreams) {
+  std::vector<kernels::StreamHandle> too_few(static_cast<size_t>(ranks()) - 1);
+  EXPECT_EQ(comm_->Wait(too_few, absl::Seconds(1)).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_P(NcclJoinTest, RejectsAJoinWithoutEveryRank) {
   std::vector<RankJoinBuffers> too_many(static_cast<size_t>(ranks()) + 1);
   EXPECT_EQ(comm_->JoinPartialSums(too_many, testing::kTotalHeads).code(),
@@ -187,7 +196,12 @@ TEST_P(NcclJoinTest, RejectsAJoinWithoutEveryRank) {
   EXPECT_EQ(comm_->JoinPartialSums(right, 0).code(), absl::StatusCode::kInvalidArgument);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, NcclJoinTest, ::testing::Values(1, 2, 4, 8));
+// Named by rank count (".../ranks2"): tests/gpu/run.sh lets exactly the cases that need
+// more GPUs than the machine has skip.
+INSTANTIATE_TEST_SUITE_P(Ranks, NcclJoinTest, ::testing::Values(1, 2, 4, 8),
+                         [](const ::testing::TestParamInfo<int32_t>& param_info) {
+                           return "ranks" + std::to_string(param_info.param);
+                         });
 
 }  // namespace
 }  // namespace kvcm

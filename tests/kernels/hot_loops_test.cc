@@ -2,6 +2,7 @@
 // at run time may change speed, never a decision.
 #include "kernels/cpu/hot_loops.h"
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -101,7 +102,22 @@ TEST(HotLoopsTest, ArgMinAndSumAgreeAcrossInstructionSets) {
     }
     for (const HotLoops* t : Tables()) {
       EXPECT_EQ(t->arg_min(v.data(), begin, n), want) << t->isa;
-      EXPECT_EQ(t->sum(v.data(), n), Tables()[0]->sum(v.data(), n)) << t->isa;
+      EXPECT_EQ(t->exact_sum(v.data(), n), Tables()[0]->exact_sum(v.data(), n)) << t->isa;
+    }
+  }
+}
+
+TEST(HotLoopsTest, ExactSumsOverTheWholeFloatRangeAgreeAcrossInstructionSets) {
+  std::mt19937_64 rng(21);
+  for (int round = 0; round < 100; ++round) {
+    std::vector<float> v(1 + rng() % 5000);
+    for (float& x : v) {
+      x = std::ldexp(static_cast<float>(rng() % 0xffffff), static_cast<int>(rng() % 200) - 160);
+    }
+    const double want = Tables()[0]->exact_sum(v.data(), static_cast<int64_t>(v.size()));
+    for (const HotLoops* t : Tables()) {
+      const double got = t->exact_sum(v.data(), static_cast<int64_t>(v.size()));
+      EXPECT_EQ(std::memcmp(&got, &want, sizeof(double)), 0) << t->isa;
     }
   }
 }

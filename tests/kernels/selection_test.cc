@@ -1,6 +1,8 @@
 #include "kernels/selection.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -66,6 +68,60 @@ TEST(SelectLowestTest, MatchesSortingOnRandomInputsWithManyTies) {
     const int64_t k = static_cast<int64_t>(rng() % static_cast<uint64_t>(end - begin + 1));
     ASSERT_EQ(Select(v, begin, end, k), ReferenceLowest(v, begin, end, k))
         << "n=" << n << " range=[" << begin << "," << end << ") k=" << k;
+  }
+}
+
+std::vector<int64_t> Highest(const std::vector<float>& v, int64_t k) {
+  std::vector<int64_t> out(static_cast<size_t>(k), -1);
+  std::vector<uint64_t> scratch(v.size());
+  cpu::SelectHighest(v.data(), static_cast<int64_t>(v.size()), k, out.data(), scratch.data(),
+                     nullptr);
+  return out;
+}
+
+// The complement of the count - k lowest (SelectLowest's order), ascending.
+std::vector<int64_t> ComplementOfLowest(const std::vector<float>& v, int64_t k) {
+  const auto n = static_cast<int64_t>(v.size());
+  const std::vector<int64_t> low = ReferenceLowest(v, 0, n, n - k);
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::binary_search(low.begin(), low.end(), i)) out.push_back(i);
+  }
+  return out;
+}
+
+TEST(SelectHighestTest, EqualValuesGoHighestIndexFirst) {
+  const std::vector<float> v = {0.5f, 0.2f, 0.2f, 0.9f, 0.2f, 0.1f};
+  EXPECT_EQ(Highest(v, 1), (std::vector<int64_t>{3}));
+  EXPECT_EQ(Highest(v, 3), (std::vector<int64_t>{0, 3, 4}));
+  EXPECT_EQ(Highest(v, 4), (std::vector<int64_t>{0, 2, 3, 4}));
+  EXPECT_EQ(Highest(v, 6), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_TRUE(Highest(v, 0).empty());
+  const std::vector<float> zeros = {0.0f, -0.0f, 0.0f, -0.0f};
+  EXPECT_EQ(Highest(zeros, 2), (std::vector<int64_t>{2, 3}));
+}
+
+TEST(SelectHighestTest, IsTheComplementOfSelectLowestOnOddSizesAndWideRanges) {
+  std::mt19937_64 rng(99);
+  for (int64_t n : {1, 2, 7, 111, 1000, 6401}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      std::vector<float> v(static_cast<size_t>(n));
+      for (float& x : v) {
+        const float u = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+        switch (kind) {
+          case 0: x = static_cast<float>(rng() % 8) / 8.0f; break;  // many exact ties
+          case 1: x = u * u * u * 1e-3f; break;                     // attention-like
+          case 2: x = std::ldexp(u, static_cast<int>(rng() % 200) - 100); break;  // exponents
+          default: x = 0.25f; break;                                // one bucket, all equal
+        }
+      }
+      if (n > 3) v[1] = std::numeric_limits<float>::infinity();
+      for (int64_t k : {int64_t{0}, int64_t{1}, n / 10 + 1, n / 2, n - 1, n}) {
+        if (k < 0 || k > n) continue;
+        ASSERT_EQ(Highest(v, k), ComplementOfLowest(v, k)) << "n=" << n << " kind=" << kind
+                                                           << " k=" << k;
+      }
+    }
   }
 }
 

@@ -5,7 +5,9 @@ import contextlib
 import io
 import re
 
-from daemon import REPO_ROOT
+import pytest
+
+from daemon import REPO_ROOT, flag_missing_reason
 
 
 def run_section(heading: str, address: str) -> str:
@@ -31,3 +33,20 @@ def test_both_transports_run(shm_kvcached):
 
 def test_the_folded_example_runs(shm_kvcached):
     run_section("## Folded reports", shm_kvcached.address)
+
+
+def test_the_decision_encodings_example_runs(kvcached):
+    assert run_section("## Decision encodings", kvcached.address).splitlines() == [
+        "mask 3601 4001", "positions 1 401", "positions 1 401"]
+
+
+def test_the_torch_worker_example_runs(start_daemon):
+    pytest.importorskip("torch", reason="torch is not installed (Debian: python3-torch)")
+    reason = flag_missing_reason("pool_memory_bytes")
+    if reason:
+        pytest.skip(reason)
+    daemon = start_daemon("--allow_shm_scores", "--pool_memory_bytes=1048576",
+                          "--kv_layers=2", "--kv_heads=2", "--kv_head_dim=8",
+                          "--kv_dtype=float32")
+    out = run_section("## The torch worker side", daemon.address)
+    assert out.split() == ["6", "71", "2"]

@@ -16,7 +16,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 __all__ = ["pb", "pb_grpc", "dtype_to_proto", "dtype_from_proto", "layout_to_proto",
-           "layout_from_proto"]
+           "layout_from_proto", "encoding_to_proto", "encoding_from_proto"]
 
 _DTYPES = {
     "float32": pb.SCORE_DTYPE_FLOAT32,
@@ -51,3 +51,22 @@ def layout_to_proto(layout: str) -> int:
 def layout_from_proto(value: int) -> str:
     """``"folded"`` or ``"per_layer"`` (UNSPECIFIED reads as per_layer)."""
     return "folded" if value == pb.SCORE_LAYOUT_FOLDED else "per_layer"
+
+
+_ENCODINGS = {"positions": pb.DECISION_ENCODING_POSITIONS, "mask": pb.DECISION_ENCODING_MASK,
+              "auto": pb.DECISION_ENCODING_AUTO}
+_ENCODING_NAMES = {value: name for name, value in _ENCODINGS.items()}
+
+
+def encoding_to_proto(encoding: str) -> int:
+    """The DecisionEncoding of ``"positions"`` (sent as UNSPECIFIED, which means it),
+    ``"mask"`` or ``"auto"``; ValueError for another name."""
+    name = str(encoding).lower()
+    if name not in _ENCODINGS:
+        raise ValueError(f"unknown decision encoding {encoding!r}; use positions, mask or auto")
+    return pb.DECISION_ENCODING_UNSPECIFIED if name == "positions" else _ENCODINGS[name]
+
+
+def encoding_from_proto(value: int) -> str:
+    """``"positions"``, ``"mask"`` or ``"auto"`` (UNSPECIFIED reads as positions)."""
+    return _ENCODING_NAMES.get(value, "positions")

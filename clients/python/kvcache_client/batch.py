@@ -5,7 +5,7 @@
     while generating:
         need = batch.needs_scores()             # capture attention only when needed
         decisions = batch.step({"req-1": scores if need else None})
-        evict(decisions["req-1"].raise_for_status().evicted)
+        evict(decisions["req-1"].raise_for_status().evicted)   # or .keep_mask()
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 import grpc
 
 from ._proto import pb
-from .errors import StepError
+from .errors import KvCacheError, StepError
 from .fold import FoldWeights
+from .masks import CachePositions
 from .results import Decision, SequenceState, SequenceStats
 from .scores import PreparedScores, ScoresLike, ScoreShapeError
 from .stream import Report, report_message
@@ -42,10 +43,34 @@ class TrackedSequence:
     score_layout: str = "per_layer"  #: or folded: one row per scoring step
     layers: int = 0                  #: folded: the K layers a folded row sums
     fold_weights: Optional[FoldWeights] = None  #: folded: for fold_scores(rows, ...)
+    decision_encoding: str = "positions"  #: how its decisions travel (mask, auto)
+    prefill_len: int = 0
+    #: the cached positions, ascending, kept in step with the decisions: what turns a
+    #: mask into positions and positions into a keep mask
+    cache: Optional[CachePositions] = None
 
     @property
     def next_step(self) -> int:
         return self.last_step + 1
+
+    @property
+    def positions(self) -> List[int]:
+        """The cached positions, ascending (a copy)."""
+        return self.cache.tolist() if self.cache is not None else []
+
+    def resolve(self, decision: Decision) -> Decision:
+        """Gives an accepted decision of this sequence both forms (positions and keep mask)
+        and advances the tracked cache. ValueError when it does not fit the cache."""
+        if self.cache is None:
+            return decision
+        cache = self.cache.before(self.prefill_len + decision.step - 1)
+        try:
+            resolved = decision._resolve(cache)  # the batch's own, not handed out yet
+        except ValueError:
+            self.cache.cancel()
+            raise
+        self.cache.keep(resolved._evicted_indices)
+        return resolved
 
     @property
     def folded(self) -> bool:
@@ -80,6 +105,10 @@ class SequenceBatch:
 
     Folded sequences (``open(..., score_layout="folded", layers=K)``) take one row per
     scoring step: ``fold_scores(rows, batch.sequences[id].fold_weights)``.
+
+    Decision encodings (``open(..., decision_encoding="positions" | "mask" | "auto")``):
+    the batch tracks each sequence's cached positions, so every decision it returns has
+    both ``evicted`` (positions) and ``keep_mask()`` whichever form the daemon sent.
 
     Not thread-safe: one batch per rank, used from one thread.
     """
@@ -120,14 +149,20 @@ class SequenceBatch:
             head_count: Optional[int] = None) -> TrackedSequence:
         """Adds an open sequence (e.g. one another rank opened), from ``state`` or, when not
         given, from ``inspect``. Raises KvCacheError NOT_FOUND when it is not open."""
-        if state is None:
-            state = self._client.inspect(sequence_id)
+        if state is None or (state.last_step > 0 and len(state.positions) != state.cache_size):
+            # The cached positions are tracked from here on (for masks): a state past its
+            # first step must carry them.
+            state = self._client.inspect(sequence_id, include_cache=True)
+        positions = (range(state.prefill_len) if state.last_step == 0 and not state.positions
+                     else state.positions)
         tracked = TrackedSequence(
             sequence_id=sequence_id, last_step=state.last_step, cache_size=state.cache_size,
             next_needs_scores=state.next_needs_scores, tp_world_size=state.tp_world_size,
             head_count=self._head_count_for(sequence_id, state.tp_world_size, head_count),
             score_dtype=state.score_dtype, score_layout=state.score_layout,
-            layers=state.layers, fold_weights=state.fold_weights)
+            layers=state.layers, fold_weights=state.fold_weights,
+            decision_encoding=state.decision_encoding, prefill_len=state.prefill_len,
+            cache=CachePositions(positions))
         self._sequences[sequence_id] = tracked
         return tracked
 
@@ -186,7 +221,8 @@ class SequenceBatch:
           KeyError: an id this batch does not track (``open`` or ``add`` it first).
           TypeError: scores of an unsupported kind.
           KvCacheError: the stream failed (the batch is then unusable: make a new one and
-            ``add`` the sequences, which resynchronizes them with the daemon).
+            ``add`` the sequences, which resynchronizes them with the daemon); INTERNAL
+            when a decision does not fit the tracked cache (resynchronize the same way).
         """
         decisions: Dict[str, Optional[Decision]] = {}
         sent: List[str] = []
@@ -211,13 +247,19 @@ class SequenceBatch:
             return [report_message(*report, region) for report in reports]
 
         for sequence_id, decision in zip(sent, self._stream.send_built(build)):
-            decisions[sequence_id] = decision
             if decision.ok:
                 tracked = self._sequences.get(sequence_id)
                 if tracked is not None:
+                    try:
+                        decision = tracked.resolve(decision)
+                    except ValueError as error:
+                        raise KvCacheError(grpc.StatusCode.INTERNAL,
+                                           f"{error}; make a new batch and add() the "
+                                           "sequence to resynchronize it") from None
                     tracked.last_step = decision.step
                     tracked.cache_size = decision.cache_size
                     tracked.next_needs_scores = decision.next_needs_scores
+            decisions[sequence_id] = decision
         result: Dict[str, Decision] = decisions  # type: ignore[assignment]  # all filled
         if raise_on_error:
             for decision in result.values():

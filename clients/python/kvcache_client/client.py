@@ -6,7 +6,7 @@ from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Unio
 
 import grpc
 
-from ._proto import dtype_to_proto, layout_to_proto, pb, pb_grpc
+from ._proto import dtype_to_proto, encoding_to_proto, layout_to_proto, pb, pb_grpc
 from .batch import SequenceBatch
 from .errors import KvCacheError
 from .policy import Policy
@@ -46,7 +46,8 @@ class KvCacheClient:
                       compression_ratio: Optional[float] = None,
                       policy: PolicyLike = "inertia", tp_world_size: int = 1,
                       score_dtype: str = "float32", score_layout: str = "per_layer",
-                      layers: Optional[int] = None) -> SequenceState:
+                      layers: Optional[int] = None,
+                      decision_encoding: str = "positions") -> SequenceState:
         """Registers a sequence: ``prefill_len`` prompt tokens and a budget, given as exactly
         one of ``budget_tokens`` (tokens kept) or ``compression_ratio`` (0.9 keeps 10%).
 
@@ -56,6 +57,11 @@ class KvCacheClient:
         ``score_layout``: ``"per_layer"`` (one row per layer) or ``"folded"`` (one row per
         step, the ``layers`` = K layer rows folded with the returned state's
         ``fold_weights``: see :func:`~kvcache_client.fold_scores`).
+        ``decision_encoding``: how its decisions travel: ``"positions"`` (the evicted
+        positions), ``"mask"`` (a bit mask over the cache before eviction: smaller when a
+        step evicts many, e.g. a long prefill's first step) or ``"auto"`` (per decision
+        the smaller). A :class:`SequenceBatch` gives ``Decision.evicted`` and
+        ``Decision.keep_mask()`` from any of them (docs/PYTHON.md, "Decision encodings").
         Raises KvCacheError: ALREADY_EXISTS, INVALID_ARGUMENT (budget, policy, layers),
         RESOURCE_EXHAUSTED (the daemon's --max_sequences).
         """
@@ -65,7 +71,8 @@ class KvCacheClient:
             sequence_id=sequence_id, prefill_len=prefill_len,
             policy=Policy.coerce(policy).to_proto(), tp_world_size=tp_world_size,
             score_dtype=dtype_to_proto(normalize_dtype(score_dtype)),
-            score_layout=layout_to_proto(score_layout))
+            score_layout=layout_to_proto(score_layout),
+            decision_encoding=encoding_to_proto(decision_encoding))
         if layers is not None:
             request.layers = layers
         if budget_tokens is not None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 
-from ._proto import dtype_from_proto, layout_from_proto, pb
+from . import masks
+from ._proto import dtype_from_proto, encoding_from_proto, layout_from_proto, pb
 from .errors import StepError, status_code
 from .fold import FoldWeights
 from .policy import Policy
@@ -53,6 +55,8 @@ class SequenceState:
     layers: int = 0                  #: folded: the K layers each folded row sums
     #: folded with a score-using aggregation: the weights for fold_scores, and the decay
     fold_weights: Optional[FoldWeights] = None
+    #: how its decisions travel: positions, mask, or auto (per decision the smaller)
+    decision_encoding: str = "positions"
 
     @property
     def next_step(self) -> int:
@@ -80,6 +84,7 @@ class SequenceState:
             layers=message.layers,
             fold_weights=(FoldWeights.from_proto(message.fold_weights)
                           if message.HasField("fold_weights") else None),
+            decision_encoding=encoding_from_proto(message.decision_encoding),
         )
 
 
@@ -143,20 +148,80 @@ class Decision:
     the cache then holds ``cache_size`` tokens, and ``next_needs_scores`` says whether the
     next step must carry scores. Otherwise the step was rejected, nothing changed, and
     ``code``/``message`` say why; the same step may be sent again.
+
+    The same eviction as a mask: :meth:`keep_mask`. Whichever form the daemon sent (the
+    sequence's ``decision_encoding``; ``encoding`` says which this one came in), a
+    :class:`~kvcache_client.batch.SequenceBatch` gives both, since it tracks the cache's
+    positions. A mask decision from a raw :class:`~kvcache_client.stream.StepStream` or
+    ``KvCacheClient.step`` has ``evicted`` None until :meth:`with_cache` is given the cache.
     """
 
     sequence_id: str
     step: int
     code: grpc.StatusCode
     message: str
-    evicted: List[int]
+    evicted: Optional[List[int]]
     cache_size: int
     next_needs_scores: bool
     kv_changes: List[KvChange] = field(default_factory=list)  #: per rank, with KV pools
+    #: a mask decision's bits (see kvcache_client.masks) and how many; 0: it came as positions
+    mask_tokens: int = 0
+    evicted_mask: bytes = field(default=b"", repr=False)
+    #: the evicted tokens' indices into the cache before eviction, once resolved
+    _evicted_indices: Any = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
         return self.code == grpc.StatusCode.OK
+
+    @property
+    def encoding(self) -> str:
+        """How this decision travelled: ``"mask"`` or ``"positions"``."""
+        return "mask" if self.mask_tokens else "positions"
+
+    @property
+    def tokens_before(self) -> int:
+        """The cache before eviction plus the new token: the length of :meth:`keep_mask`."""
+        return self.mask_tokens or self.cache_size + len(self.evicted or ())
+
+    def keep_mask(self, like: Any = None) -> Any:
+        """Which tokens stay: one bool per token of the cache before eviction, in ascending
+        position order, then the step's new token (``tokens_before`` entries); True = kept.
+
+        A numpy bool array (a list of bools without numpy); ``like=tensor`` gives a
+        ``torch.bool`` tensor on that tensor's device (``like=ndarray``: numpy). Available
+        from a mask decision, from one that evicted nothing, and from any decision of a
+        SequenceBatch; a positions decision from a raw stream needs :meth:`with_cache`
+        first (ValueError otherwise).
+        """
+        self.raise_for_status()
+        if self.mask_tokens:
+            keep = masks.keep_from_mask(self.evicted_mask, self.mask_tokens)
+        elif self._evicted_indices is not None or not self.evicted:
+            keep = masks.keep_from_indices(self.tokens_before, self._evicted_indices)
+        else:
+            raise ValueError(
+                f"sequence {self.sequence_id!r} step {self.step}: keep_mask() of a positions "
+                "decision needs the cache it applies to: step through a SequenceBatch, or "
+                "call with_cache(positions before eviction + the new token) first")
+        return masks.as_tensor_like(keep, like)
+
+    def with_cache(self, cache: Sequence[int]) -> "Decision":
+        """This decision with both forms: ``cache`` is the positions before eviction,
+        ascending, then the step's new token (a list or a numpy int64 array). A rejected
+        decision comes back as it is. ValueError when the decision does not fit ``cache``."""
+        if not self.ok:
+            return self
+        return dataclasses.replace(self)._resolve(cache)
+
+    def _resolve(self, cache: Sequence[int]) -> "Decision":
+        """with_cache in place, for a decision not handed out yet (SequenceBatch.step)."""
+        evicted, indices = masks.resolve(self.sequence_id, self.step, self.evicted,
+                                         self.evicted_mask, self.mask_tokens, self.cache_size,
+                                         cache)
+        object.__setattr__(self, "evicted", evicted)
+        object.__setattr__(self, "_evicted_indices", indices)
+        return self
 
     def raise_for_status(self) -> "Decision":
         """Raises StepError unless ``ok``; returns the decision for chaining."""
@@ -166,10 +231,12 @@ class Decision:
 
     @classmethod
     def from_proto(cls, message: pb.Decision) -> "Decision":
+        mask_tokens = message.mask_tokens
         return cls(message.sequence_id, message.step, status_code(message.code),
-                   message.message, list(message.evicted), message.cache_size,
-                   message.next_needs_scores,
-                   [KvChange.from_proto(k) for k in message.kv_changes])
+                   message.message, None if mask_tokens else list(message.evicted),
+                   message.cache_size, message.next_needs_scores,
+                   [KvChange.from_proto(k) for k in message.kv_changes],
+                   mask_tokens=mask_tokens, evicted_mask=message.evicted_mask)
 
     @classmethod
     def rejected(cls, sequence_id: str, step: int, code: grpc.StatusCode, message: str,

@@ -1,0 +1,5 @@
+import sys
+
+from .evaluate import main
+
+sys.exit(main())

@@ -1,0 +1,274 @@
+"""kvcache-eval: the paper's claims measured on the decoder trained here, through a real
+kvcached.
+
+    clients/eval/kvcache-eval            # writes docs/EVALUATION.md and docs/img/eval_*.png
+
+Starts its own kvcached (build/bin/kvcached, or --kvcached / $KVCM_KVCACHED) with host
+shared-memory KV pools shaped like the decoder's cache and shared-memory score regions;
+the decoder's K/V live in the daemon's pool, scores are folded and go through a score
+region. Then:
+
+1. the task set (--per_task samples of each task, contexts --lengths) under the full cache
+   and every preset at compression 0.5, 0.8 and 0.9: accuracy per task and overall,
+   retained tokens, decode tokens/s, the share of decode time spent capturing scores and
+   in the daemon round trip;
+2. ablations at --ablation_ratio: VNorm and entropy scorers against plain attention
+   (accuracy, Jaccard overlap of the cached sets, under EMA and under single-step scoring),
+   alpha in {0, 0.5, 0.8, 0.9, 0.95}, Lazy r in {1, 2, 4, 8} and Score-Free, and the
+   relevance-shift task (the question changes mid-generation);
+3. throughput at the longest context: full cache, full refresh, Lazy4 and Score-Free,
+   end to end, with where the time goes.
+
+Prints every table as it goes and writes them, with the plots, to --out and --img.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from kvcache_client import KvCacheClient, Policy
+from kvcache_client.torch import KvPoolMapping
+
+from . import report, tasks
+from .daemon import REPO_ROOT, Kvcached, pool_flags
+from .model import load
+from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "weights" / "decoder.pt"
+PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o", "streaming_llm", "random")
+SCORING_PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o")
+RATIOS = (0.5, 0.8, 0.9)
+ALPHAS = (0.0, 0.5, 0.8, 0.9, 0.95)
+LAZY = (1, 2, 4, 8)
+
+
+def main_configs(ratios: Sequence[float] = RATIOS,
+                 presets: Sequence[str] = PRESETS) -> List[RunConfig]:
+    out = [RunConfig("full", None)]
+    for ratio in ratios:
+        out += [RunConfig(f"{p}@{ratio}", p, ratio) for p in presets]
+    return out
+
+
+def ablation_configs(ratio: float) -> List[RunConfig]:
+    out = []
+    for scorer in ("attention", "vnorm", "entropy"):
+        out.append(RunConfig(f"ema-{scorer}@{ratio}", "inertia", ratio, scorer=scorer,
+                             track_sets=True))
+        out.append(RunConfig(f"single-{scorer}@{ratio}", "tova", ratio, scorer=scorer,
+                             track_sets=True))
+    for alpha in ALPHAS:
+        out.append(RunConfig(f"alpha{alpha}@{ratio}", Policy(aggregation="ema", alpha=alpha),
+                             ratio))
+    for r in LAZY:
+        out.append(RunConfig(f"lazy{r}@{ratio}",
+                             Policy(aggregation="ema", alpha=0.8, refresh="lazy",
+                                    refresh_interval=r), ratio))
+    out.append(RunConfig(f"score_free@{ratio}", "score_free", ratio))
+    return out
+
+
+def run_set(runner: Runner, model: Any, samples: Sequence[tasks.Sample],
+            configs: Sequence[RunConfig], label: str) -> Dict[str, List[Outcome]]:
+    """Every configuration on every sample (each sample prefilled once)."""
+    results: Dict[str, List[Outcome]] = {c.name: [] for c in configs}
+    started = time.perf_counter()
+    for index, sample in enumerate(samples):
+        pre = prefill(model, sample)
+        for config in configs:
+            results[config.name].append(runner.run(config, pre, index))
+        if (index + 1) % max(1, len(samples) // 10) == 0:
+            print(f"  {label}: {index + 1}/{len(samples)} samples, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+    return results
+
+
+def summarize(outcomes: Sequence[Outcome], field: str = "correct") -> Dict[str, Any]:
+    by_task: Dict[str, List[bool]] = {}
+    for o in outcomes:
+        by_task.setdefault(o.task, []).append(getattr(o, field))
+    steps = sum(o.steps for o in outcomes)
+    decode = sum(o.decode_s for o in outcomes)
+    return {
+        "accuracy": sum(getattr(o, field) for o in outcomes) / len(outcomes),
+        "by_task": {t: sum(v) / len(v) for t, v in by_task.items()},
+        "retained": statistics.mean(o.retained for o in outcomes),
+        "tokens_per_s": steps / decode if decode else 0.0,
+        "capture_share": sum(o.capture_s for o in outcomes) / decode if decode else 0.0,
+        "step_share": sum(o.step_s for o in outcomes) / decode if decode else 0.0,
+        "scoring_share": (sum(o.scoring_steps for o in outcomes) / steps) if steps else 0.0,
+        "samples": len(outcomes),
+    }
+
+
+def throughput(runner: Runner, model: Any, length: int, new_tokens: int, repeats: int,
+               seed: int, ratio: float) -> Dict[str, Any]:
+    """Decode ``new_tokens`` after a ``length``-token prompt, end to end, per policy."""
+    import random
+    rng = random.Random(seed)
+    samples = [tasks.make_sample("niah_multikey", rng, length) for _ in range(repeats)]
+    configs = [
+        RunConfig("full cache", None),
+        RunConfig("inertia (full refresh)", "inertia", ratio),
+        RunConfig("inertia_lazy4", "inertia_lazy4", ratio),
+        RunConfig("score_free", "score_free", ratio),
+        RunConfig("inertia, weights reused", "inertia", ratio, capture_from="weights"),
+        RunConfig("inertia_lazy4, weights reused", "inertia_lazy4", ratio,
+                  capture_from="weights"),
+        RunConfig("inertia, per-layer inline, dense", "inertia", ratio, folded=False,
+                  shm_scores=False, pooled=False),
+        RunConfig("inertia_lazy4, per-layer inline, dense", "inertia_lazy4", ratio,
+                  folded=False, shm_scores=False, pooled=False),
+    ]
+    rows: Dict[str, Dict[str, float]] = {c.name: {"steps": 0, "decode_s": 0.0, "capture_s": 0.0,
+                                                  "step_s": 0.0, "apply_s": 0.0}
+                                         for c in configs}
+    for index, sample in enumerate(samples):
+        sample.answer = [tasks.DOT] * (new_tokens + 1)  # decode new_tokens steps, whatever
+        pre = prefill(model, sample)
+        for config in configs:  # interleaved, so drifts of the machine hit all alike
+            o = runner.run(config, pre, index)
+            row = rows[config.name]
+            for key in ("steps", "decode_s", "capture_s", "step_s", "apply_s"):
+                row[key] += getattr(o, key)
+    for row in rows.values():
+        row["tokens_per_s"] = row["steps"] / row["decode_s"]
+        row["model_s"] = row["decode_s"] - row["capture_s"] - row["step_s"] - row["apply_s"]
+        for key in ("capture_s", "step_s", "apply_s", "model_s"):
+            row[key.replace("_s", "_ms_per_token")] = 1000 * row[key] / row["steps"]
+    return {"length": length, "new_tokens": new_tokens, "repeats": repeats, "ratio": ratio,
+            "rows": rows}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvcache-eval", description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
+    parser.add_argument("--per_task", type=int, default=40, help="samples per task")
+    parser.add_argument("--lengths", default="256,512,1024",
+                        help="prompt lengths, spread over each task's samples")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--ablation_ratio", type=float, default=0.9)
+    parser.add_argument("--shift_ratio", default="0.5,0.8",
+                        help="compression ratios of the relevance-shift task")
+    parser.add_argument("--shift_gap", type=int, default=32,
+                        help="filler tokens fed between the first answer and the new question")
+    parser.add_argument("--throughput_tokens", type=int, default=256)
+    parser.add_argument("--throughput_repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kvcached", default=None, help="the daemon binary")
+    parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "EVALUATION.md"))
+    parser.add_argument("--img", default=str(REPO_ROOT / "docs" / "img"))
+    parser.add_argument("--json", default=None, help="also write every number here")
+    parser.add_argument("--skip", default="",
+                        help="comma list of parts to skip: main,ablations,shift,throughput")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    skip = set(filter(None, args.skip.split(",")))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model, meta = load(args.weights)
+    cfg = model.cfg
+    started = time.perf_counter()
+    command = "clients/eval/kvcache-eval " + " ".join(sys.argv[1:] if argv is None else argv)
+    results: Dict[str, Any] = {
+        "command": command.strip(), "weights": os.path.relpath(args.weights, REPO_ROOT),
+        "train_meta": meta, "per_task": args.per_task, "lengths": lengths, "seed": args.seed,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{args.threads} threads",
+        "model": asdict(cfg), "parameters": sum(p.numel() for p in model.parameters()),
+        "wall": {},
+    }
+    with Kvcached(pool_flags(cfg.layers, cfg.kv_heads, cfg.head_dim),
+                  binary=args.kvcached) as daemon, \
+            KvCacheClient(daemon.address, timeout=60) as client, \
+            KvPoolMapping.for_rank(client, 0) as mapping:
+        runner = Runner(model, client, mapping, seed=args.seed)
+        try:
+            samples = tasks.eval_set(args.seed, args.per_task, lengths)
+            if "main" not in skip:
+                t = time.perf_counter()
+                print(f"main: {len(samples)} samples x {len(main_configs())} configurations",
+                      flush=True)
+                out = run_set(runner, model, samples, main_configs(), "main")
+                results["main"] = {name: summarize(v) for name, v in out.items()}
+                results["wall"]["main"] = time.perf_counter() - t
+                print(report.main_tables(results), flush=True)
+            if "ablations" not in skip:
+                t = time.perf_counter()
+                configs = ablation_configs(args.ablation_ratio)
+                print(f"ablations: {len(samples)} samples x {len(configs)} configurations",
+                      flush=True)
+                out = run_set(runner, model, samples, configs, "ablations")
+                ablations = {name: summarize(v) for name, v in out.items()}
+                r = args.ablation_ratio
+                pairs = {}
+                for kind in ("ema", "single"):
+                    base = out[f"{kind}-attention@{r}"]
+                    for scorer in ("vnorm", "entropy"):
+                        other = out[f"{kind}-{scorer}@{r}"]
+                        pairs[f"{kind}-{scorer}"] = statistics.mean(
+                            jaccard(a.sets, b.sets) for a, b in zip(base, other))
+                    pairs[f"{kind}-vs-ema"] = statistics.mean(
+                        jaccard(a.sets, b.sets) for a, b in zip(base, out[f"ema-attention@{r}"]))
+                results["ablations"] = {"ratio": r, "runs": ablations, "jaccard": pairs}
+                results["wall"]["ablations"] = time.perf_counter() - t
+                print(report.ablation_tables(results), flush=True)
+            if "shift" not in skip:
+                t = time.perf_counter()
+                shift_ratios = [float(x) for x in args.shift_ratio.split(",")]
+                shift = tasks.shift_set(args.seed + 7, args.per_task * 2, lengths,
+                                        args.shift_gap)
+                configs = [RunConfig("full", None)]
+                for ratio in shift_ratios:
+                    configs += [RunConfig(f"{p}@{ratio}", p, ratio)
+                                for p in ("inertia", "inertia_lazy4", "score_free", "tova",
+                                          "h2o", "streaming_llm")]
+                print(f"shift: {len(shift)} samples x {len(configs)} configurations",
+                      flush=True)
+                out = run_set(runner, model, shift, configs, "shift")
+                results["shift"] = {
+                    "gap": args.shift_gap, "ratios": shift_ratios,
+                    "runs": {name: {"second": summarize(v, "last_correct")["accuracy"],
+                                    "both": summarize(v)["accuracy"],
+                                    "first": sum(o.generated[:len(s.answer)] == s.answer
+                                                 for o, s in zip(v, shift)) / len(v)}
+                             for name, v in out.items()}}
+                results["wall"]["shift"] = time.perf_counter() - t
+                print(report.shift_table(results), flush=True)
+            if "throughput" not in skip:
+                t = time.perf_counter()
+                longest = max(lengths)
+                print(f"throughput: {longest}-token prompts, {args.throughput_tokens} new "
+                      f"tokens, {args.throughput_repeats} repeats", flush=True)
+                results["throughput"] = throughput(
+                    runner, model, longest, args.throughput_tokens, args.throughput_repeats,
+                    args.seed + 11, 0.9)
+                results["wall"]["throughput"] = time.perf_counter() - t
+                print(report.throughput_table(results), flush=True)
+        finally:
+            runner.close()
+    results["wall"]["total"] = time.perf_counter() - started
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    report.write(results, Path(args.out), Path(args.img))
+    print(f"wrote {args.out} and {args.img}/eval_*.png in {results['wall']['total']:.0f} s",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Running the decoder through a real kvcached: one sample under one configuration.
+
+A configuration is a policy at a compression ratio (or the full cache, no daemon), a
+scorer, and the worker's transport choices (KV in the daemon's shared-memory pool or in
+the worker's own tensors; scores folded or per layer). The prompt is prefilled once per
+sample (compression is decode-time only, so every configuration starts from the same
+cache); each configuration then decodes from a copy of it:
+
+    the first answer token comes from the prefill's logits; decode step t feeds the token
+    at position L0 + t - 1, attends over the cache plus itself, captures scores when the
+    daemon's previous decision said the step needs them, sends the step, and applies the
+    decision (evictions, pool slot changes) before the next.
+
+Forced tokens (a follow-up question) are fed as decode steps like generated ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+
+from kvcache_client import KvCacheClient, Policy
+from kvcache_client.torch import DecodeLoop, DenseKvCache, KvPoolMapping, PooledKvCache
+
+from . import tasks
+from .model import Decoder
+
+PolicyLike = Union[str, Policy]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What one evaluation column runs."""
+
+    name: str
+    policy: Optional[PolicyLike]     #: None: the full cache (no daemon)
+    compression: float = 0.0
+    scorer: str = "attention"
+    folded: bool = True               #: one folded row per step (else [layers, tokens])
+    pooled: bool = True               #: KV in the daemon's shared-memory pool
+    shm_scores: bool = True           #: scores through a shared-memory score region
+    capture_from: str = "query"       #: recompute from q and K, or pool the model's weights
+    track_sets: bool = False          #: record the cached positions after every step
+
+
+@dataclass
+class Prefilled:
+    """A sample's prompt run once: every layer's K/V and the first answer token."""
+
+    sample: tasks.Sample
+    keys: List[torch.Tensor]     # per layer [kv_heads, L0, head_dim]
+    values: List[torch.Tensor]
+    first_token: int
+    seconds: float
+
+
+@dataclass
+class Outcome:
+    """One sample under one configuration."""
+
+    task: str
+    length: int
+    correct: bool                 #: every answer (the last turn's too) exactly right
+    last_correct: bool            #: the last turn's answer right (relevance shift)
+    generated: List[int]
+    retained: int                 #: tokens cached after the last step
+    steps: int
+    decode_s: float               #: the whole decode loop
+    capture_s: float              #: inside the score captures
+    step_s: float                 #: sending the steps and waiting for the decisions
+    apply_s: float                #: applying decisions to the cache (pool writes included)
+    scoring_steps: int = 0
+    sets: List[Set[int]] = field(default_factory=list)
+
+
+def prefill(model: Decoder, sample: tasks.Sample) -> Prefilled:
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits, keys, values = model.prefill(torch.tensor([sample.prompt]))
+    return Prefilled(sample, [k[0].contiguous() for k in keys],
+                     [v[0].contiguous() for v in values],
+                     int(logits[0, -1].argmax()), time.perf_counter() - start)
+
+
+class _KeepAll:
+    """The full cache's 'decision': nothing evicted."""
+
+    ok, evicted, kv_changes = True, (), ()
+
+    def __init__(self, step: int, cache_size: int) -> None:
+        self.step, self.cache_size = step, cache_size
+
+
+def script(sample: tasks.Sample) -> List[Tuple[str, Any]]:
+    """The segments after the prompt: ("gen", n) answer tokens, ("force", tokens)."""
+    out: List[Tuple[str, Any]] = [("gen", len(sample.answer))]
+    for question, answer in sample.turns:
+        out += [("force", question), ("gen", len(answer))]
+    return out
+
+
+class Runner:
+    """Runs configurations against one kvcached (and one KV pool mapping)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, model: Decoder, client: Optional[KvCacheClient],
+                 mapping: Optional[KvPoolMapping], *, score_region_bytes: int = 1 << 20,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.client = client
+        self.mapping = mapping
+        self.seed = seed
+        self.batch = (client.batch(score_region_bytes=score_region_bytes)
+                      if client is not None and score_region_bytes else
+                      client.batch() if client is not None else None)
+        self.inline_batch = client.batch() if client is not None else None
+
+    def close(self) -> None:
+        for batch in (self.batch, self.inline_batch):
+            if batch is not None:
+                batch.close()
+
+    def run(self, config: RunConfig, pre: Prefilled, index: int = 0) -> Outcome:
+        sample = pre.sample
+        cfg = self.model.cfg
+        L0 = sample.length
+        sid = None
+        loop = None
+        if config.policy is None:
+            cache: Any = DenseKvCache(pre.keys, pre.values, capacity=L0 + 64)
+        else:
+            if self.client is None:
+                raise ValueError(f"{config.name} needs a daemon")
+            batch = self.batch if config.shm_scores else self.inline_batch
+            policy = config.policy
+            if isinstance(policy, str) and policy == "random":
+                policy = Policy(preset="random", seed=self.seed * 100003 + index)
+            sid = f"{config.name}-{next(self._ids)}"
+            batch.open(sid, L0, compression_ratio=config.compression, policy=policy,
+                       score_layout="folded" if config.folded else "per_layer",
+                       layers=cfg.layers if config.folded else None)
+            if config.pooled:
+                if self.mapping is None:
+                    raise ValueError("pooled runs need a daemon holding KV pools")
+                cache = PooledKvCache.open(self.client, self.mapping, sid)
+                cache.load_prefill(pre.keys, pre.values)
+            else:
+                cache = DenseKvCache(pre.keys, pre.values, capacity=L0 + 64)
+            loop = DecodeLoop(batch, scorer=config.scorer)
+            loop.add(sid, cache)
+
+        stream: List[int] = []
+        generated: List[int] = []
+        answers: List[List[int]] = [sample.answer] + [a for _, a in sample.turns]
+        answers_out: List[List[int]] = []
+        segments = script(sample)
+        total = sum(n if kind == "gen" else len(n) for kind, n in segments)
+        next_pred = pre.first_token
+        sets: List[Set[int]] = []
+        steps = 0
+        capture_s = 0.0
+        start = time.perf_counter()
+        for kind, what in segments:
+            fed = [None] * what if kind == "gen" else list(what)
+            if kind == "gen":
+                answers_out.append([])
+            for forced in fed:
+                token = next_pred if forced is None else forced
+                stream.append(token)
+                if forced is None:
+                    generated.append(token)
+                    answers_out[-1].append(token)
+                if len(stream) == total:
+                    break
+                position = L0 + len(stream) - 1
+                steps += 1
+                if loop is None:
+                    logits = self.model.decode(token, position, cache, None,
+                                               capture_from=config.capture_from)
+                    cache.apply(_KeepAll(steps, len(cache) + 1))
+                else:
+                    captures = loop.begin()
+                    logits = self.model.decode(token, position, cache, captures[sid],
+                                               capture_from=config.capture_from)
+                    loop.finish(captures)
+                if config.track_sets:
+                    sets.append(set(cache.positions))
+                next_pred = int(logits.argmax())
+        decode_s = time.perf_counter() - start
+        outcome = Outcome(
+            task=sample.task, length=L0,
+            correct=all(a == b for a, b in zip(answers, answers_out)),
+            last_correct=answers[-1] == answers_out[-1], generated=generated,
+            retained=len(cache), steps=steps, decode_s=decode_s,
+            capture_s=loop.stats["capture_s"] if loop else 0.0,
+            step_s=loop.stats["step_s"] if loop else 0.0,
+            apply_s=loop.stats["apply_s"] if loop else 0.0,
+            scoring_steps=int(loop.stats["scoring_steps"]) if loop else 0, sets=sets)
+        if sid is not None:
+            loop.batch.close_sequence(sid)
+        return outcome
+
+
+def jaccard(a: Sequence[Set[int]], b: Sequence[Set[int]]) -> float:
+    """Mean over steps of |A ∩ B| / |A ∪ B| of two runs' cached-position sets."""
+    values = [len(x & y) / len(x | y) for x, y in zip(a, b) if x or y]
+    return sum(values) / len(values) if values else 1.0

@@ -1,0 +1,57 @@
+// The CPU backends of kernels/backend.h: the reference kernels over plain host memory.
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/backend.h"
+
+namespace kvcm::kernels {
+namespace {
+
+constexpr size_t kAlignment = 256;
+
+absl::Status NoDevice(int /*device*/) { return absl::OkStatus(); }
+
+absl::Status HostAllocate(size_t bytes, void** ptr) {
+  const size_t rounded = (bytes == 0 ? 1 : (bytes + kAlignment - 1) / kAlignment) * kAlignment;
+  *ptr = std::aligned_alloc(kAlignment, rounded);
+  if (*ptr == nullptr) {
+    return absl::ResourceExhaustedError("host allocation failed");
+  }
+  return absl::OkStatus();
+}
+
+void HostRelease(void* ptr) { std::free(ptr); }
+
+absl::Status HostCopy(void* dst, const void* src, size_t bytes, CopyKind /*kind*/,
+                      StreamHandle /*stream*/) {
+  if (bytes > 0) std::memmove(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status NoStream(int /*device*/, StreamHandle* stream) {
+  *stream = nullptr;
+  return absl::OkStatus();
+}
+
+absl::Status NothingToWaitFor(StreamHandle /*stream*/, const char* /*what*/) {
+  return absl::OkStatus();
+}
+
+constexpr BackendMemory kHostMemory{&NoDevice,   &HostAllocate, &HostRelease, &HostAllocate,
+                                    &HostRelease, &HostCopy,    &NoStream,    &NothingToWaitFor};
+
+#define KVCM_CPU_KERNEL_ENTRY(kernel, entry) &cpu::kernel,
+
+constexpr KernelBackend kCpu{"cpu", MemorySpace::kHost,
+                             KVCM_KERNEL_ENTRIES(KVCM_CPU_KERNEL_ENTRY) kHostMemory};
+constexpr KernelBackend kEmulatedDevice{"cpu-emulated-device", MemorySpace::kDevice,
+                                        KVCM_KERNEL_ENTRIES(KVCM_CPU_KERNEL_ENTRY) kHostMemory};
+
+#undef KVCM_CPU_KERNEL_ENTRY
+
+}  // namespace
+
+const KernelBackend& CpuBackend() { return kCpu; }
+const KernelBackend& EmulatedDeviceBackend() { return kEmulatedDevice; }
+
+}  // namespace kvcm::kernels

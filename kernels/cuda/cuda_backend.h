@@ -1,0 +1,16 @@
+// The CUDA backend table (kernels/backend.h): the CUDA kernels of kernels/cuda/ with the
+// CPU reference's signatures (checked at compile time in cuda_backend.cc), and the CUDA
+// runtime behind the memory operations: cudaMalloc on the current device, pinned staging,
+// cudaMemcpyAsync, one non-blocking stream per device for the engine. Thread-safe.
+#ifndef KVCM_KERNELS_CUDA_CUDA_BACKEND_H_
+#define KVCM_KERNELS_CUDA_CUDA_BACKEND_H_
+
+#include "kernels/backend.h"
+
+namespace kvcm::kernels::cuda {
+
+const KernelBackend& CudaBackend();
+
+}  // namespace kvcm::kernels::cuda
+
+#endif  // KVCM_KERNELS_CUDA_CUDA_BACKEND_H_

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Builds, on a CPU machine with nvcc, everything the GPU check runs, into one directory
+# that a bare CUDA machine (driver, CUDA runtime, Python with the nvidia-nccl wheel; no
+# compiler, no package registry, no -dev packages) can run with
+#   tests/gpu/run.sh --prebuilt build-gpu-carry
+#
+#   scripts/build-gpu-carry.sh [--from-build BUILD_DIR] [CARRY_DIR]   (default build-gpu-carry)
+#
+# Without --from-build it configures a Release, gRPC-free CUDA build in CARRY_DIR.build
+# (CMAKE_CUDA_ARCHITECTURES from KVCM_CUDA_ARCH, default 90 = H100/H200) and builds the
+# GPU tests, their host references, kvcache-kernel-bench and kvcache-replay. With it, it
+# stages the binaries of an existing CUDA build (what the carry's CTest check does).
+#
+# The carry:
+#   bin/       the test and tool executables, stripped, RPATH $ORIGIN/../lib
+#   lib/       the shared libraries they need that a bare CUDA machine lacks (found with
+#              ldd: Abseil, Google Benchmark); NCCL is NOT bundled (218 MB): run.sh takes
+#              libnccl.so.2 from the machine's nvidia-nccl wheel
+#   lib/compat the C++ runtime they were linked against, used only where the machine's
+#              is older
+#   data/      the golden vectors
+#   MANIFEST   what was built from which commit, with sizes
+# It must stay under 48 MiB; the script fails otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+from_build=""
+if [ "${1:-}" = "--from-build" ]; then
+  from_build=${2:?--from-build needs a build directory}
+  shift 2
+fi
+carry=${1:-build-gpu-carry}
+limit_mib=48
+say() { printf 'build-gpu-carry: %s\n' "$*"; }
+
+binaries=(gpu_kernel_parity_test gpu_block_pool_test kvcm_gpu_ipc_child gpu_device_engine_test
+          device_engine_test rank_join_test pools_test kernels_test kvcache-kernel-bench
+          kvcache-replay)
+optional_binaries=(gpu_nccl_join_test)  # only when NCCL was found at build time
+
+if [ -z "$from_build" ]; then
+  if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  for tool in nvcc cmake ninja g++; do
+    command -v "$tool" >/dev/null 2>&1 || { say "FAIL: $tool not found"; exit 1; }
+  done
+  build="$carry.build"
+  say "configuring $build (CUDA arch ${KVCM_CUDA_ARCH:-90})"
+  timeout 600 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCM_CUDA=ON \
+    -DKVCM_ENGINE_ONLY=ON -DCMAKE_CUDA_ARCHITECTURES="${KVCM_CUDA_ARCH:-90}" \
+    -DCMAKE_BUILD_RPATH='$ORIGIN/../lib' \
+    >"$carry.configure.log" 2>&1 || { tail -30 "$carry.configure.log"; say "FAIL: configure"; exit 1; }
+  say "building (log: $carry.build.log)"
+  timeout 3600 cmake --build "$build" -j "${KVCM_BUILD_JOBS:-$(nproc)}" \
+    --target kvcm_gpu_checks >"$carry.build.log" 2>&1 ||
+    { tail -40 "$carry.build.log"; say "FAIL: build"; exit 1; }
+else
+  build="$from_build"
+fi
+[ -d "$build/bin" ] || { say "FAIL: $build/bin does not exist"; exit 1; }
+[ -x "$build/bin/gpu_kernel_parity_test" ] || { say "FAIL: $build is not a CUDA build (no GPU tests)"; exit 1; }
+
+rm -rf "$carry"
+mkdir -p "$carry/bin" "$carry/lib/compat" "$carry/data"
+for b in "${binaries[@]}"; do
+  [ -x "$build/bin/$b" ] || { say "FAIL: $build/bin/$b was not built"; exit 1; }
+  cp "$build/bin/$b" "$carry/bin/"
+done
+for b in "${optional_binaries[@]}"; do
+  if [ -x "$build/bin/$b" ]; then cp "$build/bin/$b" "$carry/bin/"; else say "note: no $b (built without NCCL)"; fi
+done
+if command -v strip >/dev/null 2>&1; then strip --strip-unneeded "$carry"/bin/* 2>/dev/null || true; fi
+# $ORIGIN/../lib, so the binaries find the bundled libraries without LD_LIBRARY_PATH.
+if command -v patchelf >/dev/null 2>&1; then
+  for f in "$carry"/bin/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
+fi
+
+# Shared libraries: everything ldd resolves outside the C library, the C++ runtime, the
+# CUDA driver and NCCL (a bare CUDA machine has the first three; NCCL comes from its
+# wheel). The C++ runtime goes to lib/compat (run.sh uses it only when needed).
+declare -A bundled=()
+for f in "$carry"/bin/*; do
+  while read -r name _ path _; do
+    [ -n "${path:-}" ] && [ -f "$path" ] || continue
+    case "$name" in
+      linux-vdso*|ld-linux*|libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|libcuda.so*|libnccl.so*)
+        continue ;;
+      libstdc++.so*|libgcc_s.so*) dest="$carry/lib/compat" ;;
+      *) dest="$carry/lib" ;;
+    esac
+    if [ -z "${bundled[$name]:-}" ]; then
+      cp -L "$path" "$dest/$name"
+      bundled[$name]=1
+    fi
+  done < <(ldd "$f" 2>/dev/null | awk '/=>/ {print $1, $2, $3, $4}')
+done
+if command -v strip >/dev/null 2>&1; then
+  strip --strip-unneeded "$carry"/lib/*.so* "$carry"/lib/compat/*.so* 2>/dev/null || true
+fi
+cp -r tests/data/golden "$carry/data/"
+
+# What it is, and the size check.
+bytes=$(du -sb "$carry" | awk '{print $1}')
+{
+  echo "kvcache-manager GPU carry"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(nvcc --version 2>/dev/null | tail -1 || echo 'nvcc ?')"
+  echo "cuda arch: $(grep -E '^CMAKE_CUDA_ARCHITECTURES' "$build/CMakeCache.txt" | cut -d= -f2)"
+  echo "build type: $(grep -E '^CMAKE_BUILD_TYPE' "$build/CMakeCache.txt" | cut -d= -f2)"
+  echo "nccl: $([ -x "$carry/bin/gpu_nccl_join_test" ] && echo 'built (libnccl.so.2 from the machine)' || echo 'not built')"
+  echo "bytes: $bytes"
+  echo
+  (cd "$carry" && find . -type f ! -name MANIFEST | sort | xargs ls -l | awk '{print $5, $9}')
+} >"$carry/MANIFEST"
+limit=$((limit_mib * 1024 * 1024))
+say "$carry: $((bytes / 1024)) KiB in $(find "$carry" -type f | wc -l) files (limit $limit_mib MiB)"
+if [ "$bytes" -ge "$limit" ]; then
+  say "FAIL: the carry is $((bytes / 1024 / 1024)) MiB, over $limit_mib MiB"
+  exit 1
+fi
+say "done: run it with tests/gpu/run.sh --prebuilt $carry"

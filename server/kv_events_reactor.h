@@ -1,0 +1,64 @@
+// KvEventsReactor: one WatchKvEvents call, i.e. one subscriber of the daemon's KV events
+// (cache_manager/kv_events.h). Writes one event at a time, taken from its subscription;
+// the log bounds what a subscriber may leave unread (past it the subscriber is dropped,
+// gets a RESYNC marker, and the call ends ABORTED), so the reactor buffers one event.
+// Never blocks: when the subscription has nothing, the reactor waits for its wakeup, which
+// comes on the engine thread that appends the next event (after its batch's decisions
+// are out: KvEventWakeupScope) and starts the write there; the writes after it start from
+// OnWriteDone. While more events wait, writes carry gRPC's buffer hint, so that a backlog
+// goes out in few frames.
+// The call ends on cancel, when the log ends every subscription (drain: UNAVAILABLE), or
+// when the subscriber is dropped.
+//
+// Lifetime: deletes itself in OnDone, once its subscription is gone (which waits for a
+// wakeup in progress).
+#ifndef KVCM_SERVER_KV_EVENTS_REACTOR_H_
+#define KVCM_SERVER_KV_EVENTS_REACTOR_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "cache_manager/kv_events.h"
+#include "grpcpp/grpcpp.h"
+#include "kvcache/v1/kvcache.pb.h"
+
+namespace kvcm::server {
+
+// The wire form of an event; `daemon_run` is the log's run().
+void ToProto(const KvEvent& event, absl::string_view daemon_run, ::kvcache::v1::KvEvent* out);
+
+class KvEventsReactor final : public grpc::ServerWriteReactor<::kvcache::v1::KvEvent> {
+ public:
+  // `subscription` may be null when the call is refused (Start with a non-OK status).
+  KvEventsReactor(std::unique_ptr<KvEventSubscription> subscription, std::string daemon_run);
+
+  // Starts writing, or ends the call at once with `refusal` when it is not OK.
+  void Start(const grpc::Status& refusal);
+
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+ private:
+  ~KvEventsReactor() override = default;
+
+  // Starts the next write, or finishes the call, unless a write is in flight or there is
+  // nothing yet (then the wakeup calls it again).
+  void Pump() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::string daemon_run_;
+  absl::Mutex mu_;
+  std::unique_ptr<KvEventSubscription> subscription_ ABSL_GUARDED_BY(mu_);
+  KvEvent event_ ABSL_GUARDED_BY(mu_);  // reused
+  ::kvcache::v1::KvEvent reply_;  // filled under mu_; gRPC reads it until OnWriteDone
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvcm::server
+
+#endif  // KVCM_SERVER_KV_EVENTS_REACTOR_H_

@@ -1,0 +1,382 @@
+// The device-resident engine (MomentumState on a device backend, SequenceOptions::backend)
+// against the host engine: every golden trace and seeded random runs (every preset,
+// protected sinks and recent tokens, random eviction, folded rows, float16 scores, a long
+// prefill, rejected steps) step a host sequence and a device one side by side, and every
+// decision, every position and every momentum bit must agree. A rejected step (invalid
+// scores) must leave the device state bit for bit as it was (the double buffer).
+//
+// Built twice: device_engine_test runs the device path on the CPU's emulated device
+// (kernels::EmulatedDeviceBackend(): the same code path, host memory behind it) and needs
+// no GPU; gpu_device_engine_test (label gpu, KVCM_DEVICE_ENGINE_CUDA) runs it on CUDA and
+// skips without a device.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cache_manager/sequence.h"
+#include "clients/replay/trace.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "kernels/half_float.h"
+#include "tests/clients/golden.h"
+
+#if KVCM_DEVICE_ENGINE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#include "tests/gpu/gpu_test_util.h"
+#endif
+
+namespace kvcm {
+namespace {
+
+// The golden vectors: KVCM_TEST_DATA_DIR when set (tests/gpu/run.sh --prebuilt points it
+// at the carry's copy), else this checkout's.
+std::string GoldenDir() {
+  const char* dir = std::getenv("KVCM_TEST_DATA_DIR");
+  return dir != nullptr && *dir != '\0' ? std::string(dir) + "/golden" : testing::GoldenDir();
+}
+
+std::vector<std::string> GoldenNames() {
+  std::vector<std::string> names;
+  const std::string suffix = ".trace.jsonl";
+  for (const auto& entry : std::filesystem::directory_iterator(GoldenDir())) {
+    const std::string file = entry.path().filename().string();
+    if (file.size() > suffix.size() && file.ends_with(suffix)) {
+      names.push_back(file.substr(0, file.size() - suffix.size()));
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+const kernels::KernelBackend& DeviceBackend() {
+#if KVCM_DEVICE_ENGINE_CUDA
+  return kernels::cuda::CudaBackend();
+#else
+  return kernels::EmulatedDeviceBackend();
+#endif
+}
+
+class DeviceEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#if KVCM_DEVICE_ENGINE_CUDA
+    KVCM_SKIP_WITHOUT_GPU();
+#endif
+  }
+};
+
+// A host sequence and a device one opened with the same options.
+struct Pair {
+  std::unique_ptr<Sequence> host;
+  std::unique_ptr<Sequence> device;
+};
+
+Pair Open(SequenceOptions options) {
+  Pair p;
+  absl::StatusOr<std::unique_ptr<Sequence>> host = Sequence::Create("host", options);
+  EXPECT_TRUE(host.ok()) << host.status();
+  options.backend = &DeviceBackend();
+  absl::StatusOr<std::unique_ptr<Sequence>> device = Sequence::Create("device", options);
+  EXPECT_TRUE(device.ok()) << device.status();
+  if (host.ok()) p.host = std::move(host).value();
+  if (device.ok()) p.device = std::move(device).value();
+  // The device sequence really runs the device-resident path.
+  if (p.device != nullptr) {
+    EXPECT_EQ(p.device->state().backend().memory, kernels::MemorySpace::kDevice);
+  }
+  return p;
+}
+
+// Both caches hold the same positions and bit-identical momentum.
+void ExpectSameState(const Sequence& host, const Sequence& device, const std::string& where) {
+  ASSERT_TRUE(device.state().status().ok()) << where << ": " << device.state().status();
+  const auto hp = host.state().positions();
+  const auto dp = device.state().positions();
+  ASSERT_EQ(std::vector<int64_t>(hp.begin(), hp.end()), std::vector<int64_t>(dp.begin(), dp.end()))
+      << where;
+  const auto hm = host.state().momentum();
+  const auto dm = device.state().momentum();
+  ASSERT_EQ(hm.size(), dm.size()) << where;
+  for (size_t i = 0; i < hm.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&hm[i], &dm[i], sizeof(float)), 0)
+        << where << ": momentum of position " << hp[i] << " is " << hm[i] << " on the host, "
+        << dm[i] << " on the device";
+  }
+}
+
+// One step on both; the outcomes (status code, decision) must agree.
+void StepBoth(Pair& p, int64_t step, const kernels::ScoreMatrix* scores, const std::string& where,
+              bool check_state = true) {
+  EvictionDecision hd;
+  EvictionDecision dd;
+  const absl::Status hs = p.host->Step(step, scores, &hd);
+  const absl::Status ds = p.device->Step(step, scores, &dd);
+  ASSERT_EQ(hs.code(), ds.code()) << where << ": host " << hs << ", device " << ds;
+  if (hs.ok()) {
+    ASSERT_EQ(hd.evicted, dd.evicted) << where;
+    ASSERT_EQ(hd.evicted_indices, dd.evicted_indices) << where;
+    ASSERT_EQ(hd.cache_size, dd.cache_size) << where;
+    ASSERT_EQ(hd.next_needs_scores, dd.next_needs_scores) << where;
+  } else {
+    EXPECT_EQ(hs.message().substr(hs.message().find(':')), ds.message().substr(ds.message().find(':')))
+        << where;
+  }
+  if (check_state) ExpectSameState(*p.host, *p.device, where);
+}
+
+TEST_F(DeviceEngineTest, EveryGoldenTraceDecidesAlikeOnTheDevice) {
+  const std::vector<std::string> names = GoldenNames();
+  ASSERT_FALSE(names.empty());
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    absl::StatusOr<std::unique_ptr<replay::TraceReader>> reader =
+        replay::TraceReader::Open(GoldenDir() + "/" + name + ".trace.jsonl");
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    Pair p = Open((*reader)->header().ToSequenceOptions());
+    ASSERT_NE(p.device, nullptr);
+    ExpectSameState(*p.host, *p.device, "prefill");
+    replay::TraceStep step;
+    while (true) {
+      absl::StatusOr<bool> more = (*reader)->Next(&step);
+      ASSERT_TRUE(more.ok()) << more.status();
+      if (!*more) break;
+      const kernels::ScoreMatrix m = step.Matrix();
+      StepBoth(p, step.step, step.layers > 0 ? &m : nullptr, "step " + std::to_string(step.step));
+    }
+  }
+}
+
+// Rows of `dtype` for the device and the host alike.
+struct Rows {
+  std::vector<float> f32;
+  std::vector<uint16_t> f16;
+  kernels::ScoreMatrix matrix;
+};
+
+Rows RandomRows(std::mt19937_64& rng, int64_t layers, int64_t tokens, kernels::ScoreDtype dtype,
+                bool ties) {
+  Rows r;
+  const int64_t stride = tokens + 3;  // strided rows: the upload must honour the stride
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  r.f32.assign(static_cast<size_t>(layers * stride), -1.0f);
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float x = u(rng);
+      r.f32[static_cast<size_t>(l * stride + t)] =
+          ties ? static_cast<float>(rng() % 5) / 4.0f : x * x * x * 1e-3f;
+    }
+  }
+  if (dtype != kernels::ScoreDtype::kFloat32) {
+    for (float v : r.f32) {
+      r.f16.push_back(dtype == kernels::ScoreDtype::kFloat16 ? kernels::FloatToFloat16(v)
+                                                             : kernels::FloatToBFloat16(v));
+    }
+    r.matrix = kernels::ScoreMatrix{r.f16.data(), dtype, layers, tokens, stride};
+  } else {
+    r.matrix = kernels::ScoreMatrix{r.f32.data(), dtype, layers, tokens, stride};
+  }
+  return r;
+}
+
+struct RandomCase {
+  const char* preset;
+  int64_t prefill;
+  int64_t budget;
+  int64_t sinks;
+  int64_t recent;
+  bool folded;
+  kernels::ScoreDtype dtype;
+  bool ties;
+};
+
+TEST_F(DeviceEngineTest, RandomRunsDecideAlikeAndRejectedStepsChangeNothing) {
+  const RandomCase cases[] = {
+      {"inertia", 300, 30, 0, 0, false, kernels::ScoreDtype::kFloat32, false},
+      {"inertia", 300, 30, 4, 8, false, kernels::ScoreDtype::kFloat16, true},
+      {"inertia_lazy4", 200, 40, 2, 0, false, kernels::ScoreDtype::kFloat32, false},
+      {"score_free", 150, 20, 0, 3, false, kernels::ScoreDtype::kFloat32, true},
+      {"tova", 120, 60, 0, 0, false, kernels::ScoreDtype::kBFloat16, true},
+      {"h2o", 256, 64, 0, 0, false, kernels::ScoreDtype::kFloat32, false},
+      {"streaming_llm", 100, 16, 0, 0, false, kernels::ScoreDtype::kFloat32, false},
+      {"random", 180, 25, 3, 2, false, kernels::ScoreDtype::kFloat32, false},
+      {"inertia", 400, 50, 0, 0, true, kernels::ScoreDtype::kFloat32, false},
+      {"inertia_lazy4", 20000, 2000, 0, 0, false, kernels::ScoreDtype::kFloat32, false},
+  };
+  std::mt19937_64 rng(77);
+  for (const RandomCase& c : cases) {
+    SCOPED_TRACE(std::string(c.preset) + " prefill " + std::to_string(c.prefill) +
+                 (c.folded ? " folded" : ""));
+    SequenceOptions options;
+    options.prefill_len = c.prefill;
+    options.budget = BudgetSpec::Tokens(c.budget);
+    options.preset = c.preset;
+    options.policy.seed = 5;
+    if (c.folded) {
+      options.score_layout = ScoreLayout::kFolded;
+      options.layers = 6;
+    }
+    Pair p = Open(options);
+    ASSERT_NE(p.device, nullptr);
+    if (c.sinks > 0 || c.recent > 0) {
+      // Presets fix their protections; open the field-by-field policy instead.
+      Policy policy = p.host->policy();
+      policy.preset.clear();
+      policy.protect_sinks = c.sinks;
+      policy.protect_recent = c.recent;
+      options.preset.clear();
+      options.policy = policy;
+      p = Open(options);
+      ASSERT_NE(p.device, nullptr);
+    }
+    const int64_t layers = c.folded ? 1 : 4;
+    for (int64_t step = 1; step <= 60; ++step) {
+      const std::string where = "step " + std::to_string(step);
+      const bool scoring = p.host->next_needs_scores();
+      const int64_t tokens = p.host->next_score_length();
+      if (scoring && step % 7 == 3) {
+        // A rejected step first: one invalid score somewhere; both must refuse it and the
+        // device state must be exactly as before.
+        Rows bad = RandomRows(rng, layers, tokens, c.dtype, c.ties);
+        const size_t at = static_cast<size_t>(rng() % static_cast<uint64_t>(tokens));
+        if (c.dtype == kernels::ScoreDtype::kFloat32) {
+          bad.f32[at] = -0.25f;
+        } else {
+          bad.f16[at] = c.dtype == kernels::ScoreDtype::kFloat16 ? kernels::FloatToFloat16(-0.25f)
+                                                                 : kernels::FloatToBFloat16(-0.25f);
+        }
+        StepBoth(p, step, &bad.matrix, where + " (rejected)");
+        if (::testing::Test::HasFatalFailure()) return;
+        // ... and a wrongly sized one.
+        Rows short_rows = RandomRows(rng, layers, tokens - 1, c.dtype, c.ties);
+        StepBoth(p, step, &short_rows.matrix, where + " (too short)");
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      if (scoring) {
+        Rows rows = RandomRows(rng, layers, tokens, c.dtype, c.ties);
+        StepBoth(p, step, &rows.matrix, where);
+      } else {
+        StepBoth(p, step, nullptr, where);
+      }
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    EXPECT_EQ(p.host->stats().steps, 60);
+  }
+}
+
+// kvcache-replay (next to this test's executable) with its sequence on the device
+// backend reproduces every golden vector byte for byte.
+TEST_F(DeviceEngineTest, TheReplayToolOnTheDeviceReproducesEveryGoldenVector) {
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
+  const std::string replay = (self.parent_path() / "kvcache-replay").string();
+  ASSERT_TRUE(std::filesystem::exists(replay)) << replay;
+#if KVCM_DEVICE_ENGINE_CUDA
+  const char* device = "cuda";
+#else
+  const char* device = "emulated";
+#endif
+  for (const std::string& name : GoldenNames()) {
+    SCOPED_TRACE(name);
+    const std::string command = replay + " --device " + device + " --trace " + GoldenDir() +
+                                "/" + name + ".trace.jsonl";
+    FILE* pipe = popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr) << command;
+    std::string out;
+    char buffer[4096];
+    size_t got = 0;
+    while ((got = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, got);
+    EXPECT_EQ(pclose(pipe), 0) << command;
+    EXPECT_EQ(out, testing::ReadFile(GoldenDir() + "/" + name + ".decisions.jsonl"));
+  }
+}
+
+#if !KVCM_DEVICE_ENGINE_CUDA
+// A device that fails on demand: the emulated device with its allocation or its waits
+// failing once a countdown reaches zero.
+int allocations_left = 0;
+int synchronizations_left = 0;
+
+absl::Status FailingAllocate(size_t bytes, void** ptr) {
+  if (allocations_left-- <= 0) return absl::InternalError("cudaMalloc: out of memory (injected)");
+  return kernels::EmulatedDeviceBackend().mem.allocate(bytes, ptr);
+}
+
+absl::Status FailingSynchronize(kernels::StreamHandle stream, const char* what) {
+  if (synchronizations_left-- <= 0) {
+    return absl::InternalError(std::string(what) + ": cudaErrorIllegalAddress (injected)");
+  }
+  return kernels::EmulatedDeviceBackend().mem.synchronize(stream, what);
+}
+
+kernels::KernelBackend FailingDevice() {
+  kernels::KernelBackend backend = kernels::EmulatedDeviceBackend();
+  backend.name = "failing-device";
+  backend.mem.allocate = &FailingAllocate;
+  backend.mem.synchronize = &FailingSynchronize;
+  return backend;
+}
+
+// A sequence of `prefill` tokens, budget 10, on the failing device.
+SequenceOptions OnFailingDevice(int64_t prefill, const char* preset) {
+  static const kernels::KernelBackend backend = FailingDevice();
+  SequenceOptions options;
+  options.prefill_len = prefill;
+  options.budget = BudgetSpec::Tokens(10);
+  options.preset = preset;
+  options.backend = &backend;
+  return options;
+}
+
+TEST(DeviceFailureTest, AnAllocationFailureFailsTheOpen) {
+  const SequenceOptions options = OnFailingDevice(100, "inertia");
+  for (int allowed : {0, 1, 3, 6}) {
+    allocations_left = allowed;
+    synchronizations_left = 1000;
+    absl::StatusOr<std::unique_ptr<Sequence>> s = Sequence::Create("oom", options);
+    ASSERT_FALSE(s.ok()) << "allowed " << allowed;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInternal);
+    EXPECT_NE(s.status().message().find("out of memory (injected)"), std::string::npos)
+        << s.status();
+  }
+}
+
+TEST(DeviceFailureTest, ADeviceFailureIsInternalOnThatStepAndEveryLaterOne) {
+  const SequenceOptions options = OnFailingDevice(20, "inertia_lazy4");
+  allocations_left = 1000;
+  synchronizations_left = 1000;
+  absl::StatusOr<std::unique_ptr<Sequence>> s = Sequence::Create("broken", options);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<float> scores(21, 0.5f);
+  const auto m = kernels::ScoreMatrix::Dense(scores.data(), kernels::ScoreDtype::kFloat32, 1, 21);
+  EvictionDecision d;
+  ASSERT_TRUE((*s)->Step(1, &m, &d).ok());
+  ASSERT_TRUE((*s)->Step(2, nullptr, &d).ok());
+  synchronizations_left = 0;  // the next wait fails: the device "faulted"
+  const absl::Status failed = (*s)->Step(3, nullptr, &d);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_NE(failed.message().find("injected"), std::string::npos) << failed;
+  EXPECT_EQ((*s)->last_step(), 2);  // the step did not count
+  synchronizations_left = 1000;  // the device is back, but the sequence stays broken
+  EXPECT_EQ((*s)->Step(3, nullptr, &d).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*s)->Step(4, nullptr, &d).code(), absl::StatusCode::kInternal);
+}
+#endif  // !KVCM_DEVICE_ENGINE_CUDA
+
+TEST_F(DeviceEngineTest, AStepOutOfOrderIsRefusedAlike) {
+  SequenceOptions options;
+  options.prefill_len = 10;
+  options.budget = BudgetSpec::Tokens(5);
+  options.preset = "inertia_lazy4";
+  Pair p = Open(options);
+  ASSERT_NE(p.device, nullptr);
+  StepBoth(p, 2, nullptr, "step 2 first");
+}
+
+}  // namespace
+}  // namespace kvcm

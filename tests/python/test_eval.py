@@ -1,0 +1,95 @@
+"""A short evaluation of the decoder trained here (clients/eval, weights committed) through
+a real kvcached with host shared-memory KV pools and score regions: what must hold
+whatever the model. The full table is a benchmark (clients/eval/kvcache-eval), not this."""
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (Debian: python3-torch)")
+
+from daemon import REPO_ROOT, Daemon, flag_missing_reason  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "clients" / "eval"))
+
+from kvcache_client import KvCacheClient  # noqa: E402
+from kvcache_client.torch import KvPoolMapping  # noqa: E402
+from kvcache_eval import tasks  # noqa: E402
+from kvcache_eval.daemon import pool_flags  # noqa: E402
+from kvcache_eval.evaluate import DEFAULT_WEIGHTS, SCORING_PRESETS  # noqa: E402
+from kvcache_eval.model import load  # noqa: E402
+from kvcache_eval.runner import RunConfig, Runner, prefill  # noqa: E402
+
+PER_TASK, LENGTHS, SEED = 8, (256, 512), 20240
+
+
+@pytest.fixture(scope="module")
+def model():
+    if not DEFAULT_WEIGHTS.exists():
+        pytest.skip(f"no trained weights at {DEFAULT_WEIGHTS}")
+    torch.set_num_threads(2)
+    decoder, _ = load(str(DEFAULT_WEIGHTS))
+    return decoder
+
+
+@pytest.fixture(scope="module")
+def runner(model, tmp_path_factory):
+    reason = flag_missing_reason("pool_memory_bytes") or flag_missing_reason("allow_shm_scores")
+    if reason:
+        pytest.skip(reason)
+    cfg = model.cfg
+    daemon = Daemon(tmp_path_factory.mktemp("kvcached-eval"), "--allow_shm_scores",
+                    *pool_flags(cfg.layers, cfg.kv_heads, cfg.head_dim)).start()
+    client = KvCacheClient(daemon.address, timeout=60)
+    mapping = KvPoolMapping.for_rank(client, 0)
+    run = Runner(model, client, mapping, seed=SEED)
+    yield run
+    run.close()
+    mapping.close()
+    client.close()
+    assert daemon.terminate() == 0, daemon.log()
+
+
+@pytest.fixture(scope="module")
+def short_eval(model, runner):
+    samples = tasks.eval_set(SEED, PER_TASK, LENGTHS)
+    configs = [RunConfig("full", None)]
+    configs += [RunConfig(f"{p}@0.5", p, 0.5) for p in SCORING_PRESETS]
+    configs += [RunConfig(f"{p}@0.9", p, 0.9) for p in ("inertia", "random", "streaming_llm")]
+    accuracy = {}
+    for config in configs:
+        accuracy[config.name] = 0.0
+    for index, sample in enumerate(samples):
+        pre = prefill(model, sample)
+        for config in configs:
+            accuracy[config.name] += runner.run(config, pre, index).correct / len(samples)
+    return accuracy
+
+
+def test_full_cache_solves_the_tasks_it_was_trained_for(short_eval):
+    assert short_eval["full"] >= 0.8, short_eval
+
+
+@pytest.mark.parametrize("preset", SCORING_PRESETS)
+def test_at_half_compression_every_scoring_preset_stays_near_full(short_eval, preset):
+    assert abs(short_eval[f"{preset}@0.5"] - short_eval["full"]) <= 0.1, short_eval
+
+
+@pytest.mark.parametrize("baseline", ["random", "streaming_llm"])
+def test_at_ninety_percent_unscored_eviction_falls_below_inertia(short_eval, baseline):
+    assert short_eval[f"{baseline}@0.9"] < short_eval["inertia@0.9"], short_eval
+
+
+@pytest.mark.parametrize("policy", ["inertia", "inertia_lazy4", "tova"])
+def test_dense_and_pooled_caches_generate_alike(model, runner, policy):
+    # The same decisions must give the same generations: the daemon decides from the scores,
+    # which come from the K/V either cache returns; both must hold the same bits.
+    samples = tasks.eval_set(SEED + 1, 1, (384,))
+    for index, sample in enumerate(samples):
+        pre = prefill(model, sample)
+        pooled, dense = (runner.run(RunConfig(f"{policy}-{kind}", policy, 0.9,
+                                              pooled=kind == "pooled", track_sets=True),
+                                    pre, index)
+                         for kind in ("pooled", "dense"))
+        assert pooled.sets == dense.sets, sample.task      # the same decisions, step by step
+        assert pooled.generated == dense.generated, sample.task
