@@ -182,11 +182,9 @@ KvEventSubscription::KvEventSubscription(KvEventLog* log, KvSubscriberState* sta
 
 KvEventSubscription::~KvEventSubscription() { log_->Detach(state_); }
 
-KvEventSubscription::Poll KvEventSubscription::Next(KvEvent* out, bool* more) {
+KvEventSubscription::Poll KvEventSubscription::Next(KvEvent* out) {
   MutexLock lock(&log_->mu_);
-  const Poll poll = log_->NextLocked(state_, out);
-  if (more != nullptr) *more = poll == Poll::kEvent && log_->ReadyLocked(state_);
-  return poll;
+  return log_->NextLocked(state_, out);
 }
 
 void KvEventSubscription::SetWakeup(absl::AnyInvocable<void()> wakeup) {
@@ -407,21 +405,6 @@ KvEventSubscription::Poll KvEventLog::NextLocked(Subscriber* s, KvEvent* out) {
       break;
   }
   return Poll::kEnded;
-}
-
-bool KvEventLog::ReadyLocked(const Subscriber* s) const {
-  switch (s->phase) {
-    case SubscriberPhase::kResync:
-    case SubscriberPhase::kDropped:
-      return true;
-    case SubscriberPhase::kSnapshot:
-      return s->snapshot_complete;
-    case SubscriberPhase::kLive:
-      return s->next_id <= newest_;
-    case SubscriberPhase::kEnded:
-      break;
-  }
-  return false;
 }
 
 void KvEventLog::Detach(Subscriber* s) {

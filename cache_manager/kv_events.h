@@ -202,9 +202,8 @@ class KvEventSubscription {
   KvEventSubscription(const KvEventSubscription&) = delete;
   KvEventSubscription& operator=(const KvEventSubscription&) = delete;
 
-  // The next event, without blocking. `out` is overwritten (its capacity reused). With
-  // `more`: whether another event is there already (a writer may then coalesce).
-  Poll Next(KvEvent* out, bool* more = nullptr);
+  // The next event, without blocking. `out` is overwritten (its capacity reused).
+  Poll Next(KvEvent* out);
   // Called, without the log's mutex, once after a Next that found nothing, when there is
   // something (an event, or the end). See the header comment for what it may do.
   void SetWakeup(absl::AnyInvocable<void()> wakeup);
@@ -271,8 +270,6 @@ class KvEventLog {
   void Contribute(KvSequenceEvents* source) ABSL_LOCKS_EXCLUDED(mu_);
   KvEventSubscription::Poll NextLocked(Subscriber* s, KvEvent* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether Next would return an event now.
-  bool ReadyLocked(const Subscriber* s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Detach(Subscriber* s) ABSL_LOCKS_EXCLUDED(mu_);
   void CompleteSnapshot(Subscriber* s) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t OldestLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

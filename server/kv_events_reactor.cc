@@ -89,7 +89,6 @@ void KvEventsReactor::Start(const grpc::Status& refusal) {
 
 void KvEventsReactor::Pump() {
   bool write = false;
-  bool more = false;
   std::optional<grpc::Status> finish;
   {
     absl::MutexLock lock(&mu_);
@@ -98,7 +97,7 @@ void KvEventsReactor::Pump() {
       finished_ = true;
       finish = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     } else {
-      switch (subscription_->Next(&event_, &more)) {
+      switch (subscription_->Next(&event_)) {
         case KvEventSubscription::Poll::kEvent:
           ToProto(event_, daemon_run_, &reply_);
           writing_ = write = true;
@@ -112,9 +111,7 @@ void KvEventsReactor::Pump() {
       }
     }
   }
-  // With more events waiting, the write may be held back and sent with the next ones
-  // (fewer frames and syscalls); the last one available goes out at once.
-  if (write) StartWrite(&reply_, more ? grpc::WriteOptions().set_buffer_hint() : grpc::WriteOptions());
+  if (write) StartWrite(&reply_);
   if (finish) Finish(*finish);
 }
 

@@ -5,8 +5,7 @@
 // Never blocks: when the subscription has nothing, the reactor waits for its wakeup, which
 // comes on the engine thread that appends the next event (after its batch's decisions
 // are out: KvEventWakeupScope) and starts the write there; the writes after it start from
-// OnWriteDone. While more events wait, writes carry gRPC's buffer hint, so that a backlog
-// goes out in few frames.
+// OnWriteDone, on gRPC's threads.
 // The call ends on cancel, when the log ends every subscription (drain: UNAVAILABLE), or
 // when the subscriber is dropped.
 //
