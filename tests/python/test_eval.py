@@ -20,7 +20,7 @@ from kvcache_eval.evaluate import DEFAULT_WEIGHTS, SCORING_PRESETS  # noqa: E402
 from kvcache_eval.model import load  # noqa: E402
 from kvcache_eval.runner import RunConfig, Runner, prefill  # noqa: E402
 
-PER_TASK, LENGTHS, SEED = 8, (256, 512), 20240
+PER_TASK, LENGTHS, SEED = 12, (256, 512), 20240
 
 
 @pytest.fixture(scope="module")
@@ -52,27 +52,50 @@ def runner(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def short_eval(model, runner):
+    """{configuration: [Outcome per sample]} of a short evaluation."""
     samples = tasks.eval_set(SEED, PER_TASK, LENGTHS)
     configs = [RunConfig("full", None)]
     configs += [RunConfig(f"{p}@0.5", p, 0.5) for p in SCORING_PRESETS]
     configs += [RunConfig(f"{p}@0.9", p, 0.9) for p in ("inertia", "random", "streaming_llm")]
-    accuracy = {}
-    for config in configs:
-        accuracy[config.name] = 0.0
+    outcomes = {config.name: [] for config in configs}
     for index, sample in enumerate(samples):
         pre = prefill(model, sample)
         for config in configs:
-            accuracy[config.name] += runner.run(config, pre, index).correct / len(samples)
-    return accuracy
+            outcomes[config.name].append(runner.run(config, pre, index))
+    return outcomes
+
+
+def accuracy(outcomes):
+    return sum(o.correct for o in outcomes) / len(outcomes)
 
 
 def test_full_cache_solves_the_tasks_it_was_trained_for(short_eval):
-    assert short_eval["full"] >= 0.8, short_eval
+    assert accuracy(short_eval["full"]) >= 0.8
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured, docs/EVALUATION.md: this decoder's step-1 attention is concentrated on the "
+    "one token it copies next, so the step-1 eviction (L0 + 1 - B tokens at once, before "
+    "any momentum) drops evidence it needs later even at rho 0.5; strict, so a model "
+    "that keeps it turns this into a failure to update"))
+def test_at_half_compression_every_scoring_preset_stays_near_full(short_eval):
+    full = accuracy(short_eval["full"])
+    gaps = {p: full - accuracy(short_eval[f"{p}@0.5"]) for p in SCORING_PRESETS}
+    assert max(abs(g) for g in gaps.values()) <= 0.1, gaps
+
+
+@pytest.mark.parametrize("preset", SCORING_PRESETS)
+def test_what_survives_step_one_is_answered_as_with_the_full_cache(short_eval, preset):
+    # The mechanism behind the gap above: evicting the rest (filler) does not hurt; losing
+    # evidence at step 1 does.
+    kept = [o.correct for o, f in zip(short_eval[f"{preset}@0.5"], short_eval["full"])
+            if f.correct and o.evidence_kept == 1.0]
+    assert len(kept) >= 5 and sum(kept) / len(kept) >= 0.9, kept
 
 
 @pytest.mark.parametrize("baseline", ["random", "streaming_llm"])
 def test_at_ninety_percent_unscored_eviction_falls_below_inertia(short_eval, baseline):
-    assert short_eval[f"{baseline}@0.9"] < short_eval["inertia@0.9"], short_eval
+    assert accuracy(short_eval[f"{baseline}@0.9"]) < accuracy(short_eval["inertia@0.9"])
 
 
 @pytest.mark.parametrize("policy", ["inertia", "inertia_lazy4", "tova"])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
@@ -30,6 +31,12 @@ def pool_flags(layers: int, kv_heads: int, head_dim: int, *,
             "--kv_shared_memory=true"]
 
 
+def scrape(metrics_address: str) -> str:
+    """One /metrics scrape (Prometheus text format)."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
 class Kvcached:
     """One kvcached process; a context manager (SIGTERM on exit)."""
 
@@ -43,6 +50,7 @@ class Kvcached:
         self.flags = flags
         self.workdir = Path(tempfile.mkdtemp(prefix="kvcache-eval-"))
         self.address = ""
+        self.metrics_address = ""
         self.process: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> "Kvcached":
@@ -61,6 +69,7 @@ class Kvcached:
                 ports = json.loads(port_file.read_text())
                 if ports.get("grpc"):
                     self.address = ports["grpc"]
+                    self.metrics_address = ports.get("metrics", "")
                     return self
             except (OSError, ValueError):
                 pass

@@ -40,8 +40,8 @@ import torch
 from kvcache_client import KvCacheClient, Policy
 from kvcache_client.torch import KvPoolMapping
 
-from . import report, tasks
-from .daemon import REPO_ROOT, Kvcached, pool_flags
+from . import diagnostics, report, tasks
+from .daemon import REPO_ROOT, Kvcached, pool_flags, scrape
 from .model import load
 from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
 
@@ -108,6 +108,7 @@ def summarize(outcomes: Sequence[Outcome], field: str = "correct") -> Dict[str, 
         "capture_share": sum(o.capture_s for o in outcomes) / decode if decode else 0.0,
         "step_share": sum(o.step_s for o in outcomes) / decode if decode else 0.0,
         "scoring_share": (sum(o.scoring_steps for o in outcomes) / steps) if steps else 0.0,
+        "evidence_kept": statistics.mean(o.evidence_kept for o in outcomes),
         "samples": len(outcomes),
     }
 
@@ -151,6 +152,41 @@ def throughput(runner: Runner, model: Any, length: int, new_tokens: int, repeats
             "rows": rows}
 
 
+DIAGNOSED = ("inertia", "inertia_lazy4", "h2o", "tova")
+
+
+def eviction_diagnostics(model, args: argparse.Namespace, samples) -> Dict[str, Any]:
+    """The eviction-quality figures of docs/METRICS.md on this model: live, from the /metrics
+    of a kvcached of its own (--diagnostics_every 1, every sequence sampled, so the
+    other parts' daemon pays nothing for them), and offline from the runs' step traces
+    (kvcache_eval/diagnostics.py)."""
+    cfg = model.cfg
+    ratio = args.ablation_ratio
+    print(f"diagnostics: {len(samples)} samples x {len(DIAGNOSED)} policies at {ratio}",
+          flush=True)
+    flags = [*pool_flags(cfg.layers, cfg.kv_heads, cfg.head_dim), "--diagnostics_every=1",
+             "--diagnostics_sample=1"]
+    traces = []
+    with Kvcached(flags, binary=args.kvcached) as daemon, \
+            KvCacheClient(daemon.address, timeout=60) as client, \
+            KvPoolMapping.for_rank(client, 0) as mapping:
+        runner = Runner(model, client, mapping, seed=args.seed)
+        try:
+            for index, sample in enumerate(samples):
+                pre = prefill(model, sample)
+                for policy in DIAGNOSED:
+                    run = runner.run(RunConfig(f"{policy}-diag@{ratio}", policy, ratio,
+                                               trace=True), pre, index)
+                    traces.append(run.trace)
+        finally:
+            runner.close()
+        live = diagnostics.live_figures(scrape(daemon.metrics_address))
+    offline = diagnostics.offline_figures(traces)
+    return {"ratio": ratio, "samples": len(samples), "gap": args.shift_gap,
+            "live": {p: live.get(p, {}) for p in DIAGNOSED},
+            "offline": {p: offline.get(p, {}) for p in DIAGNOSED}}
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvcache-eval", description=__doc__.split("\n")[0])
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
@@ -171,7 +207,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--img", default=str(REPO_ROOT / "docs" / "img"))
     parser.add_argument("--json", default=None, help="also write every number here")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: main,ablations,shift,throughput")
+                        help="comma list of parts to skip: "
+                        "main,ablations,shift,diagnostics,throughput")
     return parser.parse_args(list(argv))
 
 
@@ -205,6 +242,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       flush=True)
                 out = run_set(runner, model, samples, main_configs(), "main")
                 results["main"] = {name: summarize(v) for name, v in out.items()}
+                full = out["full"]
+                for name, v in out.items():  # do evictions of anything but evidence hurt?
+                    kept = [o.correct for o, f in zip(v, full)
+                            if f.correct and o.evidence_kept == 1.0]
+                    results["main"][name]["correct_if_kept"] = (
+                        sum(kept) / len(kept) if kept else float("nan"))
+                    results["main"][name]["kept_samples"] = len(kept)
                 results["wall"]["main"] = time.perf_counter() - t
                 print(report.main_tables(results), flush=True)
             if "ablations" not in skip:
@@ -249,6 +293,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              for name, v in out.items()}}
                 results["wall"]["shift"] = time.perf_counter() - t
                 print(report.shift_table(results), flush=True)
+            if "diagnostics" not in skip:
+                t = time.perf_counter()
+                results["diagnostics"] = eviction_diagnostics(
+                    model, args, tasks.shift_set(args.seed + 13, args.per_task // 2, lengths,
+                                                 args.shift_gap))
+                results["wall"]["diagnostics"] = time.perf_counter() - t
+                print(report.diagnostics_table(results), flush=True)
             if "throughput" not in skip:
                 t = time.perf_counter()
                 longest = max(lengths)

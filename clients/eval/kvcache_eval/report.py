@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import tasks
+from . import diagnostics, tasks
 
 TASK_NAMES = {"niah_single": "single", "niah_multikey": "multikey",
               "niah_multivalue": "multivalue", "niah_multiquery": "multiquery", "vt": "vt"}
@@ -39,11 +39,15 @@ def main_tables(results: Dict[str, Any]) -> str:
     main = results["main"]
     task_cols = [t for t in tasks.TASKS]
     header = ["configuration", *[TASK_NAMES[t] for t in task_cols], "overall",
-              "retained", "tokens/s", "capture", "round trip"]
+              "evidence kept", "right if kept", "retained", "tokens/s", "capture",
+              "round trip"]
     rows = []
     for name, s in main.items():
         rows.append([name, *[s["by_task"].get(t, float("nan")) for t in task_cols],
-                     s["accuracy"], f"{s['retained']:.0f}", f"{s['tokens_per_s']:.0f}",
+                     s["accuracy"], pct(s.get("evidence_kept", 1.0)),
+                     f"{s.get('correct_if_kept', float('nan')):.2f} ({s.get('kept_samples', 0)})",
+                     f"{s['retained']:.0f}",
+                     f"{s['tokens_per_s']:.0f}",
                      pct(s["capture_share"]), pct(s["step_share"])])
     return table(header, rows)
 
@@ -102,6 +106,19 @@ def shift_table(results: Dict[str, Any]) -> str:
         v = s["runs"][name]
         rows.append([name, v["first"], v["second"], v["both"]])
     return table(["configuration", "first question", "second question", "both"], rows)
+
+
+def diagnostics_table(results: Dict[str, Any]) -> str:
+    d = results["diagnostics"]
+    names = list(diagnostics.means(diagnostics.empty()))
+    rows = []
+    for policy in d["live"]:
+        live, offline = d["live"][policy], d["offline"][policy]
+        for source, figures in (("live", live), ("offline", offline)):
+            rows.append([f"{policy} ({source})", f"{figures.get('steps', 0):.0f}",
+                         *[f"{v:.3f}" for v in diagnostics.means(
+                             figures or diagnostics.empty()).values()]])
+    return table(["policy (source)", "measured steps", *names], rows)
 
 
 def throughput_table(results: Dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ import torch
 from kvcache_client import KvCacheClient, Policy
 from kvcache_client.torch import DecodeLoop, DenseKvCache, KvPoolMapping, PooledKvCache
 
-from . import tasks
+from . import diagnostics, tasks
 from .model import Decoder
 
 PolicyLike = Union[str, Policy]
@@ -45,6 +45,7 @@ class RunConfig:
     shm_scores: bool = True           #: scores through a shared-memory score region
     capture_from: str = "query"       #: recompute from q and K, or pool the model's weights
     track_sets: bool = False          #: record the cached positions after every step
+    trace: bool = False               #: record a diagnostics.SequenceTrace (folded only)
 
 
 @dataclass
@@ -74,7 +75,9 @@ class Outcome:
     step_s: float                 #: sending the steps and waiting for the decisions
     apply_s: float                #: applying decisions to the cache (pool writes included)
     scoring_steps: int = 0
+    evidence_kept: float = 1.0    #: share of the answer's source tokens cached after step 1
     sets: List[Set[int]] = field(default_factory=list)
+    trace: Optional[diagnostics.SequenceTrace] = None
 
 
 def prefill(model: Decoder, sample: tasks.Sample) -> Prefilled:
@@ -162,8 +165,16 @@ class Runner:
         total = sum(n if kind == "gen" else len(n) for kind, n in segments)
         next_pred = pre.first_token
         sets: List[Set[int]] = []
+        evidence = tasks.evidence(sample)
+        evidence_kept = 1.0
         steps = 0
-        capture_s = 0.0
+        trace = None
+        if config.trace:
+            if loop is None or not config.folded:
+                raise ValueError(f"{config.name}: traces are of folded runs through a daemon")
+            state = self.client.inspect(sid)
+            trace = diagnostics.SequenceTrace(str(config.policy), state.budget,
+                                              state.score_dtype)
         start = time.perf_counter()
         for kind, what in segments:
             fed = [None] * what if kind == "gen" else list(what)
@@ -184,12 +195,19 @@ class Runner:
                                                capture_from=config.capture_from)
                     cache.apply(_KeepAll(steps, len(cache) + 1))
                 else:
+                    candidates = [*cache.positions, position]
                     captures = loop.begin()
                     logits = self.model.decode(token, position, cache, captures[sid],
                                                capture_from=config.capture_from)
-                    loop.finish(captures)
+                    decision = loop.finish(captures)[sid]
+                    if trace is not None:
+                        trace.steps.append(self._trace_step(
+                            sid, steps, candidates, captures[sid], decision))
                 if config.track_sets:
                     sets.append(set(cache.positions))
+                if steps == 1 and evidence:
+                    cached = set(cache.positions)
+                    evidence_kept = sum(p in cached for p in evidence) / len(evidence)
                 next_pred = int(logits.argmax())
         decode_s = time.perf_counter() - start
         outcome = Outcome(
@@ -200,10 +218,18 @@ class Runner:
             capture_s=loop.stats["capture_s"] if loop else 0.0,
             step_s=loop.stats["step_s"] if loop else 0.0,
             apply_s=loop.stats["apply_s"] if loop else 0.0,
-            scoring_steps=int(loop.stats["scoring_steps"]) if loop else 0, sets=sets)
+            scoring_steps=int(loop.stats["scoring_steps"]) if loop else 0,
+            evidence_kept=evidence_kept, sets=sets, trace=trace)
         if sid is not None:
             loop.batch.close_sequence(sid)
         return outcome
+
+    def _trace_step(self, sid: str, step: int, candidates: List[int], capture: Any,
+                    decision: Any) -> diagnostics.StepTrace:
+        after = self.client.inspect(sid, include_cache=True)  # traced runs are not timed
+        return diagnostics.StepTrace(
+            step, candidates, None if capture is None else capture.folded_row().tolist(),
+            list(decision.evicted), after.positions, after.momentum)
 
 
 def jaccard(a: Sequence[Set[int]], b: Sequence[Set[int]]) -> float:

@@ -1,15 +1,16 @@
 """Synthetic long-context tasks in RULER's shapes, over a small vocabulary.
 
 A prompt is a haystack of filler words with needles in it and a question at its end; the
-answer is several tokens, ended by ``.``. Keys and values are "content" symbols (digits and
-letters), all distinct within a sample; the filler is a disjoint set of 20 words:
+answer is several tokens, ended by ``.``. Keys (and variable names) are letters, distinct
+within a sample; values are four digits, drawn with replacement, so different needles share
+digits and a value is found by its key; the filler is a disjoint set of 20 words:
 
-    niah_single      # k 3 9 x 4 .                    ? k        -> 3 9 x 4 .
+    niah_single      # k 3 9 3 4 .                    ? k        -> 3 9 3 4 .
     niah_multikey    four needles with distinct keys  ? k        -> the value of k
     niah_multivalue  two needles with the SAME key    ? k        -> v1 , v2 .
     niah_multiquery  four needles                     ? k1 k2    -> v1 , v2 .
-    vt               # 3 9 x 4 a .  # a b .  # b c .  (a = the value, b = a, c = b; and a
-                     decoy chain from another value)  ? 3 9 x 4  -> a b c .
+    vt               # 3 9 3 4 a .  # a b .  # b c .  (a = the value, b = a, c = b; and a
+                     decoy chain from another value)  ? 3 9 3 4  -> a b c .
 
 Training samples may ask several questions in turns (``? k1 v1 . ? k2 v2 .``, with filler
 between turns sometimes): the relevance-shift task of the evaluation (the question changes
@@ -33,6 +34,8 @@ ID = {token: i for i, token in enumerate(VOCAB)}
 PAD, BOS = ID["<pad>"], ID["<bos>"]
 HASH, ASK, COMMA, DOT = (ID[m] for m in MARKS)
 CONTENT_IDS = [ID[t] for t in CONTENT]
+KEY_IDS = [ID[chr(c)] for c in range(ord("a"), ord("z") + 1)]   # keys, variable names
+DIGIT_IDS = [ID[str(d)] for d in range(10)]                      # values
 FILLER_IDS = [ID[t] for t in FILLER]
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
@@ -62,15 +65,31 @@ class Sample:
         return len(self.prompt)
 
 
+#: How values are drawn: "digits" (with replacement; the evaluation's), or "distinct"
+#: (keys and values all distinct letters and digits: what training stages 1-2 of the
+#: committed weights used; ``train --values distinct``).
+VALUES = "digits"
+
+
 class _Symbols:
-    """Distinct content symbols for one sample."""
+    """Keys (letters, distinct within a sample) and values (digits, drawn with
+    replacement: values share digits, so copying one needs its key, not just the digit
+    before)."""
 
     def __init__(self, rng: random.Random) -> None:
-        self._pool = rng.sample(CONTENT_IDS, len(CONTENT_IDS))
+        self._rng = rng
+        self._distinct = VALUES == "distinct"
+        self._pool = (rng.sample(CONTENT_IDS, len(CONTENT_IDS)) if self._distinct
+                      else rng.sample(KEY_IDS, len(KEY_IDS)))
 
     def take(self, n: int) -> List[int]:
         out, self._pool = self._pool[:n], self._pool[n:]
         return out
+
+    def value(self) -> List[int]:
+        if self._distinct:
+            return self.take(VALUE_LEN)
+        return self._rng.choices(DIGIT_IDS, k=VALUE_LEN)
 
 
 def _needle(key: int, value: List[int]) -> List[int]:
@@ -109,7 +128,7 @@ def make_sample(task: str, rng: random.Random, length: int, *, turns: int = 1,
     if task in ("niah_single", "niah_multikey", "niah_multiquery"):
         count = 1 if task == "niah_single" else needles
         keys = sym.take(count)
-        values = [sym.take(VALUE_LEN) for _ in keys]
+        values = [sym.value() for _ in keys]
         value_of = dict(zip(keys, map(tuple, values)))
         if task == "niah_multiquery":
             asked = rng.sample(keys, 2)
@@ -130,14 +149,14 @@ def make_sample(task: str, rng: random.Random, length: int, *, turns: int = 1,
         return sample
     if task == "niah_multivalue":
         key = sym.take(1)[0]
-        values = [sym.take(VALUE_LEN) for _ in range(2)]
+        values = [sym.value() for _ in range(2)]
         question = [ASK, key]
         hay, depths = _haystack(rng, length - len(question),
                                 [_needle(key, v) for v in values], ordered=True)
         return Sample(task, hay + question, [*values[0], COMMA, *values[1], DOT],
                       depth=depths[0])
     if task == "vt":
-        value, other = sym.take(VALUE_LEN), sym.take(VALUE_LEN)
+        value, other = sym.value(), sym.value()
         names = sym.take(5)
         chain, decoy = names[:3], names[3:]
         statements = [[HASH, *value, chain[0], DOT], [HASH, *other, decoy[0], DOT]]
@@ -225,4 +244,30 @@ def counts(samples: Sequence[Sample]) -> Dict[str, int]:
     out: Dict[str, int] = {}
     for s in samples:
         out[s.task] = out.get(s.task, 0) + 1
+    return out
+
+
+def evidence(sample: Sample) -> List[int]:
+    """Prompt positions of the tokens the answer copies: the asked needles' values (vt: the
+    chain's variable names). For the eviction diagnostics: what must survive."""
+    p = sample.prompt
+    if sample.task == "vt":
+        value = p[-VALUE_LEN:]
+        out, current = [], None
+        for i in range(len(p) - VALUE_LEN - 1):
+            if p[i] == HASH and p[i + 1:i + 1 + VALUE_LEN] == value:
+                out.append(i + 1 + VALUE_LEN)
+                current = p[i + 1 + VALUE_LEN]
+        for _ in range(2):
+            for i in range(len(p) - 3):
+                if p[i] == HASH and p[i + 1] == current and p[i + 3] == DOT:
+                    out.append(i + 2)
+                    current = p[i + 2]
+                    break
+        return sorted(out)
+    keys = p[-2:] if sample.task == "niah_multiquery" else p[-1:]
+    out = []
+    for i in range(len(p) - VALUE_LEN - 2):
+        if p[i] == HASH and p[i + 1] in keys:
+            out += range(i + 2, i + 2 + VALUE_LEN)
     return out

@@ -34,6 +34,20 @@ CURRICULUM = ((0.12, (16, 48), 64, 1.0), (0.38, (48, 128), 32, 0.2),
 #: tokens (the harder multi-value and multi-query tasks drawn twice as often).
 LONG_CURRICULUM = ((0.30, (48, 128), 32, 0.1), (0.40, (128, 384), 16, 0.05),
                    (0.30, (384, 1024), 8, 0.0))
+#: --stage extend: again from short to long contexts (after a change of the task data),
+#: multi-query drawn three times as often.
+EXTEND_CURRICULUM = ((0.35, (48, 128), 32, 0.0), (0.35, (128, 384), 16, 0.0),
+                     (0.30, (384, 1024), 8, 0.0))
+EXTEND_TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.5, "niah_multivalue": 1.5,
+                       "niah_multiquery": 3.0, "vt": 1.0}
+#: --stage polish: the middle and long contexts again, the multi-key tasks more often.
+POLISH_CURRICULUM = ((0.4, (128, 384), 16, 0.0), (0.6, (384, 1024), 8, 0.0))
+POLISH_TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 2.0, "niah_multivalue": 2.0,
+                       "niah_multiquery": 3.0, "vt": 1.0}
+#: --stage focus: middle contexts, multi-query (the task it is worst at) half the samples.
+FOCUS_CURRICULUM = ((0.7, (128, 512), 16, 0.0), (0.3, (512, 1024), 8, 0.0))
+FOCUS_TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.0, "niah_multivalue": 1.0,
+                      "niah_multiquery": 4.0, "vt": 1.0}
 LONG_TASK_WEIGHTS = {"niah_single": 1.0, "niah_multikey": 1.0, "niah_multivalue": 2.0,
                      "niah_multiquery": 2.0, "vt": 1.0}
 
@@ -82,16 +96,20 @@ def main(argv: Sequence[str] = ()) -> int:
                         help="multiply the curriculum's batch sizes")
     parser.add_argument("--check_per_task", type=int, default=12,
                         help="held-out samples per task for the exact-match log")
-    parser.add_argument("--stage", choices=("full", "long"), default="full",
+    parser.add_argument("--stage", choices=("full", "long", "extend", "polish", "focus"), default="full",
                         help="full: the whole curriculum from scratch; long: from --init on "
-                        "to long contexts")
+                        "to long contexts; extend: short to long again; polish: middle and long; focus: "
+                        "multi-query")
     parser.add_argument("--init", default=None, help="weights to start from (.pt)")
+    parser.add_argument("--values", choices=("digits", "distinct"), default="digits",
+                        help="how the tasks draw values (tasks.VALUES)")
     parser.add_argument("--max_length", type=int, default=1024,
                         help="cap the curriculum's context lengths (quick checks)")
     args = parser.parse_args(list(argv) or None)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    tasks.VALUES = args.values
     rng = random.Random(args.seed)
     cfg = Config(d_model=args.d_model, layers=args.layers, ffn=args.ffn,
                  head_dim=args.d_model // 4, rope_base=args.rope_base)
@@ -119,8 +137,12 @@ def main(argv: Sequence[str] = ()) -> int:
         return {t: exact_match(model, s) for t, s in checks[length].items()}
 
     phases, start_step = [], 0
-    curriculum = CURRICULUM if args.stage == "full" else LONG_CURRICULUM
-    weights = None if args.stage == "full" else [LONG_TASK_WEIGHTS[t] for t in tasks.TASKS]
+    curriculum = {"full": CURRICULUM, "long": LONG_CURRICULUM,
+                  "extend": EXTEND_CURRICULUM, "polish": POLISH_CURRICULUM,
+                  "focus": FOCUS_CURRICULUM}[args.stage]
+    task_weights = {"long": LONG_TASK_WEIGHTS, "extend": EXTEND_TASK_WEIGHTS,
+                    "polish": POLISH_TASK_WEIGHTS, "focus": FOCUS_TASK_WEIGHTS}.get(args.stage)
+    weights = None if task_weights is None else [task_weights[t] for t in tasks.TASKS]
     for share, (lo, hi), size, warm in curriculum:
         steps = round(share * args.steps)
         phases.append((start_step, start_step + steps, (min(lo, args.max_length),
