@@ -78,6 +78,14 @@ void SequenceTable::Erase(absl::string_view id, const SequenceSlot* slot) {
   if (it != slots_.end() && it->second.get() == slot) slots_.erase(it);
 }
 
+SequenceOptions SequenceTable::WithEngine(const SequenceOptions& options) const {
+  if (options.backend != nullptr || options_.engine_backend == nullptr) return options;
+  SequenceOptions out = options;
+  out.backend = options_.engine_backend;
+  out.device = options_.engine_device;
+  return out;
+}
+
 absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
                                                  const SequenceOptions& options,
                                                  int32_t tp_world_size,
@@ -107,7 +115,7 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   }
   const auto unreserve = [&] { Erase(id, nullptr); };
   // Built outside the registry lock: the prefill cache of a long context takes a moment.
-  absl::StatusOr<std::unique_ptr<Sequence>> sequence = Sequence::Create(id, options);
+  absl::StatusOr<std::unique_ptr<Sequence>> sequence = Sequence::Create(id, WithEngine(options));
   if (!sequence.ok()) {
     unreserve();
     return sequence.status();

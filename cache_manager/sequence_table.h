@@ -21,6 +21,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/backend.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache_manager/clock.h"
@@ -52,6 +53,12 @@ struct SequenceTableOptions {
   // Eviction-quality diagnostics (cache_manager/diagnostics.h): the sequences it samples
   // by id get them at Open; off by default.
   DiagnosticsOptions diagnostics = {};
+  // The kernel backend (kernels/backend.h) of every sequence whose SequenceOptions name
+  // none, and its device: nullptr is the CPU reference; a device backend keeps each such
+  // sequence's momentum and positions on GPU `engine_device` (kvcached --backend=cuda).
+  // Not owned; backends are static.
+  const kernels::KernelBackend* engine_backend = nullptr;
+  int engine_device = 0;
 };
 
 struct SequenceTableTotals {
@@ -130,6 +137,8 @@ class SequenceTable {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // `options` with the table's engine backend when they name none.
+  SequenceOptions WithEngine(const SequenceOptions& options) const;
   // The slot of an open id, or null (unknown, or still being opened).
   std::shared_ptr<SequenceSlot> Find(absl::string_view id) const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<std::shared_ptr<SequenceSlot>> AllSlots() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -15,6 +15,8 @@
 #include "prometheus/exposer.h"
 #ifdef KVCM_HAS_CUDA
 #include "cache_manager/cuda_block_pool.h"
+#include "kernels/cuda/cuda_adapter.h"
+#include "kernels/cuda/cuda_backend.h"
 #endif
 #include "cache_manager/status_macros.h"
 #include "server/health_service.h"
@@ -48,7 +50,56 @@ KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
   };
 }
 
+// The kernel backend of the sequences' engine state (nullptr: the CPU reference), or why
+// this daemon cannot run it.
+absl::StatusOr<const kernels::KernelBackend*> EngineKernels(const ServerOptions& options) {
+  EngineBackend engine = options.engine_backend;
+  if (engine == EngineBackend::kAuto) {
+    engine = options.backend == KvBackend::kCuda ? EngineBackend::kCuda : EngineBackend::kCpu;
+  }
+  switch (engine) {
+    case EngineBackend::kCpu:
+    case EngineBackend::kAuto:
+      return nullptr;
+    case EngineBackend::kEmulated:
+      return &kernels::EmulatedDeviceBackend();
+    case EngineBackend::kCuda:
+      break;
+  }
+#ifdef KVCM_HAS_CUDA
+  ASSIGN_OR_RETURN(const int devices, kernels::cuda::VisibleDeviceCount());
+  if (options.engine_device < 0 || options.engine_device >= devices) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--engine_backend=cuda: --engine_device is ", options.engine_device, " but ",
+        devices, " CUDA device(s) are visible (use --engine_backend=cpu to decide on the "
+        "CPU)"));
+  }
+  return &kernels::cuda::CudaBackend();
+#else
+  return absl::FailedPreconditionError(
+      "--engine_backend=cuda: this kvcached was built without CUDA");
+#endif
+}
+
 }  // namespace
+
+absl::string_view EngineBackendName(EngineBackend backend) {
+  switch (backend) {
+    case EngineBackend::kAuto: return "auto";
+    case EngineBackend::kCpu: return "cpu";
+    case EngineBackend::kCuda: return "cuda";
+    case EngineBackend::kEmulated: return "emulated";
+  }
+  return "auto";
+}
+
+std::optional<EngineBackend> ParseEngineBackend(absl::string_view name) {
+  for (EngineBackend b : {EngineBackend::kAuto, EngineBackend::kCpu, EngineBackend::kCuda,
+                          EngineBackend::kEmulated}) {
+    if (name == EngineBackendName(b)) return b;
+  }
+  return std::nullopt;
+}
 
 absl::string_view KvBackendName(KvBackend backend) {
   return backend == KvBackend::kCuda ? "cuda" : "host";
@@ -92,6 +143,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   d->kv_event_gauges_ = std::make_shared<KvEventGauges>(d->kv_events_.get());
   table_options.kv_events = d->kv_events_.get();
   table_options.diagnostics = {options.diagnostics_every, options.diagnostics_sample};
+  ASSIGN_OR_RETURN(table_options.engine_backend, EngineKernels(options));
+  table_options.engine_device = options.engine_device;
   d->table_ = std::make_unique<SequenceTable>(table_options);
   const int32_t engine_threads =
       options.engine_threads > 0

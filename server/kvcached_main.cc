@@ -69,6 +69,11 @@ ABSL_FLAG(double, diagnostics_sample, 0.1,
           "by a hash of the sequence id, so stable)");
 ABSL_FLAG(bool, kv_shared_memory, true,
           "host pools in POSIX shared memory (/kvcached-<pid>-rank<r>) for workers to map");
+ABSL_FLAG(std::string, engine_backend, "auto",
+          "where the sequences' momentum and positions live and their kernels run: cpu, "
+          "cuda (GPU --engine_device), emulated (the device code path on the CPU, for "
+          "tests), or auto (cuda with --backend=cuda, else cpu)");
+ABSL_FLAG(int32_t, engine_device, 0, "the GPU of the sequences' state with the cuda engine");
 
 #ifndef KVCM_VERSION
 #define KVCM_VERSION "0.0.0"
@@ -132,6 +137,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.backend = *backend;
+  const std::optional<kvcm::server::EngineBackend> engine =
+      kvcm::server::ParseEngineBackend(absl::GetFlag(FLAGS_engine_backend));
+  if (!engine) {
+    std::fprintf(stderr,
+                 "kvcached: --engine_backend is '%s'; it must be auto, cpu, cuda or emulated\n",
+                 absl::GetFlag(FLAGS_engine_backend).c_str());
+    return 2;
+  }
+  options.engine_backend = *engine;
+  options.engine_device = absl::GetFlag(FLAGS_engine_device);
   options.pool_memory_bytes = absl::GetFlag(FLAGS_pool_memory_bytes);
   options.tp_ranks = absl::GetFlag(FLAGS_tp_ranks);
   options.kv_layout.layers = absl::GetFlag(FLAGS_kv_layers);

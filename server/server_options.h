@@ -20,6 +20,14 @@ enum class KvBackend : uint8_t { kHost, kCuda };
 absl::string_view KvBackendName(KvBackend backend);
 std::optional<KvBackend> ParseKvBackend(absl::string_view name);
 
+// Where the sequences' engine state (momentum, positions) lives and its kernels run. kAuto:
+// on the GPU when the KV pools are (--backend=cuda), else the CPU. kEmulated: the device
+// code path on the CPU (kernels::EmulatedDeviceBackend), for tests without a GPU.
+enum class EngineBackend : uint8_t { kAuto, kCpu, kCuda, kEmulated };
+// "auto" / "cpu" / "cuda" / "emulated", and back (nullopt for any other name).
+absl::string_view EngineBackendName(EngineBackend backend);
+std::optional<EngineBackend> ParseEngineBackend(absl::string_view name);
+
 struct ServerOptions {
   // gRPC: host:port (port 0 picks a free port) or unix:/path (workers on the same node).
   std::string listen = "127.0.0.1:50051";
@@ -68,6 +76,11 @@ struct ServerOptions {
   int64_t pool_memory_bytes = 0;  // per rank
   kernels::KvBlockLayout kv_layout;
   bool kv_shared_memory = true;
+
+  // The sequences' engine: see EngineBackend; `engine_device` is the GPU (CUDA ordinal of
+  // this process) that holds every sequence's state when it runs on CUDA.
+  EngineBackend engine_backend = EngineBackend::kAuto;
+  int32_t engine_device = 0;
 };
 
 }  // namespace kvcm::server

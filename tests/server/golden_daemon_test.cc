@@ -146,6 +146,55 @@ TEST(GoldenShmTransportTest, NeedsADaemonThatAllowsShmScores) {
   EXPECT_THAT(got.status().message(), HasSubstr("--allow_shm_scores"));
 }
 
+// kvcached --engine_backend=emulated: every sequence's momentum and positions take the
+// device-resident code path (explicit copies, double buffer, staged decisions; GPU.md) on
+// the CPU's emulated device, which is what --backend=cuda runs on a GPU. Every golden, alone
+// and across ranks, inline and through score regions, per layer and folded: the same
+// decisions as the CPU engine, and the same momentum bits.
+TEST(GoldenDeviceEngineTest, TheDevicePathDecidesLikeTheCpuEngine) {
+  auto daemon = testing::DaemonProcess::Start({"--engine_backend=emulated", "--allow_shm_scores"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  std::unique_ptr<replay::ReplayBackend> embedded = replay::NewEmbeddedBackend();
+  for (const std::string& golden : testing::GoldenNames()) {
+    for (int32_t tp : {1, 2}) {
+      for (bool folded : {false, true}) {
+        Replay r{.golden = golden, .tp = tp, .folded = folded, .momentum = true};
+        r.sequence_id = absl::StrCat(golden, "-cpu-tp", tp, folded ? "-folded" : "");
+        absl::StatusOr<std::string> want = RunGolden(r, *embedded);
+        ASSERT_TRUE(want.ok()) << want.status();
+        for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm}) {
+          r.sequence_id = absl::StrCat(golden, "-device-tp", tp, folded ? "-folded-" : "-",
+                                       replay::ScoreTransportName(transport));
+          absl::StatusOr<std::string> got =
+              RunGoldenThroughDaemon(r, (*daemon)->grpc_address(), transport);
+          ASSERT_TRUE(got.ok()) << r.sequence_id << ": " << got.status();
+          EXPECT_EQ(*got, *want) << r.sequence_id;
+        }
+      }
+      // And the decisions alone are the golden file's.
+      Replay plain{.golden = golden, .sequence_id = absl::StrCat(golden, "-device-plain-tp", tp),
+                   .tp = tp};
+      absl::StatusOr<std::string> got =
+          RunGoldenThroughDaemon(plain, (*daemon)->grpc_address(), ScoreTransport::kGrpc);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, Want(golden)) << plain.sequence_id;
+    }
+  }
+  EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(30)), 0);
+}
+
+// --engine_backend=cuda where no GPU is visible (or CUDA was not built) refuses to start,
+// saying why, rather than deciding on the CPU behind the operator's back.
+TEST(GoldenDeviceEngineTest, CudaEngineWithoutAGpuRefusesToStart) {
+  auto daemon = testing::DaemonProcess::Start({"--engine_backend=cuda"});
+  if (daemon.ok()) {
+    // A machine with a GPU: it started on it; nothing more to check here (tests/gpu does).
+    EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(30)), 0);
+    GTEST_SKIP() << "a CUDA device is visible";
+  }
+  EXPECT_THAT(daemon.status().message(), HasSubstr("--engine_backend=cuda"));
+}
+
 // Every golden at 1, 2 and 4 ranks, all at once, through daemons with one and with three
 // engine threads: the sequences share the threads, each stays pinned to one, and each
 // one's steps are decided in order (every decision exact).
