@@ -145,6 +145,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   table_options.diagnostics = {options.diagnostics_every, options.diagnostics_sample};
   ASSIGN_OR_RETURN(table_options.engine_backend, EngineKernels(options));
   table_options.engine_device = options.engine_device;
+  if (table_options.engine_backend != nullptr) d->engine_name_ = table_options.engine_backend->name;
   d->table_ = std::make_unique<SequenceTable>(table_options);
   const int32_t engine_threads =
       options.engine_threads > 0

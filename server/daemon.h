@@ -42,6 +42,8 @@ class Daemon {
   // host:port actually bound (port 0 in the options resolves here).
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
+  // The kernel backend the sequences' engine state runs on ("cpu", "cuda", ...).
+  const std::string& engine_name() const { return engine_name_; }
 
   // Health goes NOT_SERVING and new calls are refused; calls already open (step streams
   // included) keep being served until their clients end them, and whatever still runs at
@@ -75,6 +77,7 @@ class Daemon {
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   std::string metrics_address_;
+  std::string engine_name_ = "cpu";
   absl::Notification stop_reclaimer_;
   std::thread reclaimer_;
   absl::Mutex drain_mu_;

@@ -217,9 +217,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcached: %s\n", std::string(daemon.status().message()).c_str());
     return daemon.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  std::fprintf(stderr, "kvcached %s: serving gRPC on %s, metrics on http://%s/metrics\n",
+  std::fprintf(stderr,
+               "kvcached %s: serving gRPC on %s, metrics on http://%s/metrics, engine %s\n",
                KVCM_VERSION, (*daemon)->grpc_address().c_str(),
-               (*daemon)->metrics_address().c_str());
+               (*daemon)->metrics_address().c_str(), (*daemon)->engine_name().c_str());
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty() && !WritePortFile(port_file, **daemon)) {
     std::fprintf(stderr, "kvcached: cannot write %s\n", port_file.c_str());

@@ -154,11 +154,12 @@ TEST(GoldenShmTransportTest, NeedsADaemonThatAllowsShmScores) {
 TEST(GoldenDeviceEngineTest, TheDevicePathDecidesLikeTheCpuEngine) {
   auto daemon = testing::DaemonProcess::Start({"--engine_backend=emulated", "--allow_shm_scores"});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
+  ASSERT_THAT((*daemon)->Log(), HasSubstr("engine cpu-emulated-device"));
   std::unique_ptr<replay::ReplayBackend> embedded = replay::NewEmbeddedBackend();
   for (const std::string& golden : testing::GoldenNames()) {
     for (int32_t tp : {1, 2}) {
       for (bool folded : {false, true}) {
-        Replay r{.golden = golden, .tp = tp, .folded = folded, .momentum = true};
+        Replay r{.golden = golden, .sequence_id = "", .tp = tp, .folded = folded, .momentum = true};
         r.sequence_id = absl::StrCat(golden, "-cpu-tp", tp, folded ? "-folded" : "");
         absl::StatusOr<std::string> want = RunGolden(r, *embedded);
         ASSERT_TRUE(want.ok()) << want.status();
