@@ -137,6 +137,8 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int d
     exported.kind = MemoryExport::Kind::kCudaIpc;
     exported.cuda_ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
     exported.device = device;
+    exported.device_uuid = identity.uuid;
+    exported.device_pci_bus_id = identity.pci_bus_id;
     exported.bytes = bytes;
   }
   if (!status.ok()) {

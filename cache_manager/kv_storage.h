@@ -34,6 +34,10 @@ struct MemoryExport {
   std::string shm_name;         // kPosixShm: "/name"
   std::string cuda_ipc_handle;  // kCudaIpc: the 64 bytes of a cudaIpcMemHandle_t
   int32_t device = -1;          // kCudaIpc: the CUDA device ordinal in this process
+  // kCudaIpc: the same GPU in terms that do not depend on the process (ordinals differ
+  // under CUDA_VISIBLE_DEVICES): its UUID ("GPU-8c1b...") and PCI bus id ("0000:18:00.0").
+  std::string device_uuid;
+  std::string device_pci_bus_id;
   int64_t bytes = 0;            // the mapped size; block b starts at b * block bytes
 };
 

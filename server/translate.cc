@@ -313,6 +313,8 @@ void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
   out->set_shm_name(memory.shm_name);
   out->set_cuda_ipc_handle(memory.cuda_ipc_handle);
   out->set_device(memory.device);
+  out->set_device_uuid(memory.device_uuid);
+  out->set_device_pci_bus_id(memory.device_pci_bus_id);
 }
 
 absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,

@@ -187,6 +187,9 @@ TEST(CudaBlockPoolTest, TheExportNamesTheGpuByUuidAndPciBusId) {
   const absl::StatusOr<CudaDeviceIdentity> described = DescribeCudaDevice(0);
   ASSERT_TRUE(described.ok()) << described.status();
   EXPECT_EQ(described->uuid, exported->identity.uuid);
+  // What DescribeKvPools sends a worker (server/translate.cc copies the MemoryExport).
+  EXPECT_EQ(pool->memory_export().device_uuid, exported->identity.uuid);
+  EXPECT_EQ(pool->memory_export().device_pci_bus_id, exported->identity.pci_bus_id);
 }
 
 TEST(CudaBlockPoolTest, ASecondProcessMapsThePoolAndSeesTheBytesAlsoAfterACompaction) {

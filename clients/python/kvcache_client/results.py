@@ -130,14 +130,17 @@ class KvPool:
     bytes: int
     shm_name: str
     cuda_ipc_handle: bytes
-    device: int
+    device: int                 #: the daemon's CUDA ordinal; match the GPU by the next two
+    device_uuid: str = ""       #: cuda: "GPU-..." (nvidia-smi -L, CUDA_VISIBLE_DEVICES)
+    device_pci_bus_id: str = ""  #: cuda: "0000:18:00.0"
 
     @classmethod
     def from_proto(cls, m: pb.KvPool) -> "KvPool":
         backend = {pb.KV_BACKEND_HOST: "host", pb.KV_BACKEND_CUDA: "cuda"}.get(m.backend, "")
         return cls(m.rank, backend, m.tokens_per_block, m.layers, m.kv_heads, m.head_dim,
                    dtype_from_proto(m.dtype), m.block_bytes, m.capacity_blocks,
-                   m.used_blocks, m.bytes, m.shm_name, m.cuda_ipc_handle, m.device)
+                   m.used_blocks, m.bytes, m.shm_name, m.cuda_ipc_handle, m.device,
+                   m.device_uuid, m.device_pci_bus_id)
 
 
 @dataclass(frozen=True)
