@@ -68,6 +68,12 @@ struct ServerOptions {
   int64_t pool_memory_bytes = 0;  // per rank
   kernels::KvBlockLayout kv_layout;
   bool kv_shared_memory = true;
+
+  // Request limits (docs/RELIABILITY.md): the most tokens one sequence holds over its
+  // life (prefill plus decode), and the bytes the daemon holds for requests: every
+  // sequence's engine state, pending tensor-parallel partial sums and reply buffers.
+  int64_t max_sequence_tokens = int64_t{1} << 22;
+  int64_t memory_limit_bytes = int64_t{8} << 30;
 };
 
 }  // namespace kvcm::server

@@ -18,8 +18,23 @@ void PendingBatch::OnDecided(int64_t tag, const absl::Status& status,
   if (request_->rank() == 0) processor_->metrics_->StepDecided(decision, decision.decide_seconds);
   // Reports of one batch are decided on several engine threads at once, each writing its
   // own Decision; the container itself was sized in Process and is not touched.
-  ToProto(decision, reply_.mutable_decisions(static_cast<int>(tag)));
+  ::kvcache::v1::Decision* d = reply_.mutable_decisions(static_cast<int>(tag));
+  ToProto(decision, d);
+  reply_bytes_.fetch_add(static_cast<int64_t>(d->evicted_size() * sizeof(int64_t) +
+                                              d->evicted_mask().size()),
+                         std::memory_order_relaxed);
   Release();
+}
+
+PendingBatch::~PendingBatch() { ReleaseReply(); }
+
+void PendingBatch::ReleaseReply() {
+  if (charged_reply_bytes_ == 0) return;
+  processor_->table_->memory_budget()->Release(charged_reply_bytes_);
+  // A reply of a long prefill's first step holds megabytes; the next batches need bytes.
+  constexpr int64_t kKeptReplyBytes = int64_t{1} << 20;
+  if (charged_reply_bytes_ > kKeptReplyBytes) reply_ = ::kvcache::v1::DecisionBatch();
+  charged_reply_bytes_ = 0;
 }
 
 void PendingBatch::Fail(int64_t index, const absl::Status& status) {
@@ -35,6 +50,9 @@ void PendingBatch::Release() {
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   processor_->metrics_->BatchDone(rpc_, reply_.decisions_size(),
                                   absl::ToDoubleSeconds(absl::Now() - start_));
+  // Taken even past the limit: the steps happened. What comes next is refused instead.
+  charged_reply_bytes_ = reply_bytes_.exchange(0, std::memory_order_relaxed);
+  if (charged_reply_bytes_ > 0) processor_->table_->memory_budget()->Take(charged_reply_bytes_);
   completion_->BatchDone(this);
 }
 
@@ -50,6 +68,7 @@ void StepBatchProcessor::Process(const ::kvcache::v1::StepBatch& request,
                                  absl::string_view tenant, Rpc rpc, PendingBatch* batch,
                                  BatchCompletion* completion) {
   PendingBatch& b = *batch;
+  if (b.processor_ != nullptr) b.ReleaseReply();
   b.processor_ = this;
   b.completion_ = completion;
   b.request_ = &request;
