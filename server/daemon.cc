@@ -20,6 +20,7 @@
 #include "cache_manager/status_macros.h"
 #include "server/health_service.h"
 #include "server/kvcache_service.h"
+#include "server/translate.h"
 
 namespace kvcm::server {
 namespace {
@@ -197,7 +198,7 @@ void Daemon::ReclaimLoop() {
     for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
       metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);
       std::fprintf(stderr, "kvcached: reclaimed sequence '%s' after %s idle (step %lld)\n",
-                   info.id.c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
+                   EscapeText(info.id).c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
                    static_cast<long long>(info.last_step));
     }
   }

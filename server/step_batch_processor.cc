@@ -41,7 +41,7 @@ void PendingBatch::Fail(int64_t index, const absl::Status& status) {
   processor_->metrics_->Error(rpc_, status.code());
   ::kvcache::v1::Decision& d = *reply_.mutable_decisions(static_cast<int>(index));
   d.set_code(static_cast<int32_t>(status.code()));
-  d.set_message(std::string(status.message()));
+  d.set_message(EscapeText(status.message()));
   Release();
 }
 
@@ -141,6 +141,11 @@ void StepBatchProcessor::RunShard(void* task, int32_t shard) {
 void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
   const ::kvcache::v1::StepReport& report = b.request_->reports(index);
   const std::string& id = report.sequence_id();
+  // Before any message quotes the id: a too long one is refused without echoing it.
+  if (absl::Status valid = CheckSequenceId(id); !valid.ok()) {
+    b.Fail(index, valid);
+    return;
+  }
   const auto fail = [&](const absl::Status& status) {
     b.Fail(index, absl::Status(status.code(),
                                absl::StrCat("sequence '", id, "' step ", report.step(), ": ",

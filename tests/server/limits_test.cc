@@ -17,6 +17,7 @@
 #include "grpcpp/impl/codegen/client_unary_call.h"
 #include "grpcpp/impl/codegen/sync_stream.h"
 #include "gtest/gtest.h"
+#include "server/translate.h"
 #include "tests/server/daemon_test.h"
 
 namespace kvcm {
@@ -242,6 +243,26 @@ TEST_F(LimitsTest, RepliesAStreamStillHoldsCountAgainstTheMemoryLimit) {
 
 // ---------------------------------------------------------------------------------------
 // Errors
+
+TEST(EscapeTextTest, ControlBytesAndBadUtf8AreEscapedAndUtf8IsKept) {
+  EXPECT_EQ(server::EscapeText("a\nb\r\tc\\d\x01\x7f"), "a\\nb\\r\\tc\\\\d\\x01\\x7f");
+  EXPECT_EQ(server::EscapeText("s\xc3\xa9q \xe2\x82\xac"), "s\xc3\xa9q \xe2\x82\xac");  // é, €
+  // A lone continuation byte, a truncated sequence, an overlong form, a surrogate.
+  EXPECT_EQ(server::EscapeText("\x80|\xc3|\xc0\xaf|\xed\xa0\x80"),
+            "\\x80|\\xc3|\\xc0\\xaf|\\xed\\xa0\\x80");
+}
+
+TEST(EscapeTextTest, LongTextIsCutAtACharacterWithinTheBound) {
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += "\xe2\x82\xac";  // 6000 bytes of euros
+  const std::string cut = server::EscapeText(text, 1024);
+  EXPECT_LE(cut.size(), 1024u);
+  EXPECT_THAT(cut, ::testing::EndsWith("(cut; 6000 bytes in all)"));
+  const size_t euros = cut.find("...");
+  ASSERT_NE(euros, std::string::npos);
+  EXPECT_EQ(euros % 3, 0u);  // no character split
+  EXPECT_EQ(server::EscapeText(std::string(1024, 'x'), 1024), std::string(1024, 'x'));
+}
 
 TEST_F(LimitsTest, AnIdThatIsNotUtf8IsAnInvalidArgumentOnEveryRpc) {
   StartDaemon();
