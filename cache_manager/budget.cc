@@ -29,6 +29,8 @@ absl::StatusOr<int64_t> ResolveBudget(int64_t prefill_len, const BudgetSpec& spe
         "compression_ratio is ", ratio, "; it must satisfy 0 <= compression_ratio < 1"));
   }
   const double kept = std::floor((1.0 - ratio) * static_cast<double>(prefill_len) + 1e-9);
+  // A prefill near INT64_MAX rounds up in double; converting that back would overflow.
+  if (kept >= static_cast<double>(prefill_len)) return prefill_len;
   return std::max<int64_t>(1, static_cast<int64_t>(kept));
 }
 

@@ -54,6 +54,12 @@ TEST(RequestOverflowTest, ProtectionsWhoseSumWrapsAreRejected) {
   EXPECT_TRUE(p.Validate(kMax).ok());
 }
 
+TEST(RequestOverflowTest, ARatioBudgetOfTheLargestPrefillDoesNotWrap) {
+  // (1 - 0) * INT64_MAX rounds up to 2^63 in double, one past what int64 holds.
+  EXPECT_EQ(*ResolveBudget(kMax, BudgetSpec::Ratio(0.0)), kMax);
+  EXPECT_GT(*ResolveBudget(kMax, BudgetSpec::Ratio(0.5)), kMax / 4);
+}
+
 TEST(RequestOverflowTest, ASequenceWithWrappingProtectionsIsNeverOpened) {
   for (Aggregation aggregation : {Aggregation::kEma, Aggregation::kRandom}) {
     SequenceOptions o;
