@@ -58,8 +58,11 @@ int64_t DiagnosticsTopK(int64_t budget) { return std::max<int64_t>(1, (budget + 
 SequenceDiagnostics::SequenceDiagnostics(int64_t every, int64_t budget)
     : every_(every), budget_(budget), top_k_(DiagnosticsTopK(budget)) {
   KVCM_CHECK(every >= 1 && budget >= 1);
-  const auto n = static_cast<size_t>(budget + 1);
-  const auto k = static_cast<size_t>(top_k_);
+  // Reserved up to a bound: the budget is a client's number, and the vectors grow to
+  // what the cache really holds within a step or two.
+  constexpr int64_t kMaxReserve = int64_t{1} << 16;
+  const auto n = static_cast<size_t>(std::min(budget + 1, kMaxReserve));
+  const auto k = static_cast<size_t>(std::min(top_k_, kMaxReserve));
   raw_.reserve(n);
   keys_.reserve(n);
   top_.reserve(k);
@@ -136,8 +139,8 @@ void SequenceDiagnostics::Observe(int64_t scoring_step, const kernels::ScoreMatr
   if (raw_.capacity() > 2 * steady) {
     raw_ = std::vector<float>();
     keys_ = std::vector<uint64_t>();
-    raw_.reserve(steady);
-    keys_.reserve(steady);
+    raw_.reserve(std::min<size_t>(steady, size_t{1} << 16));
+    keys_.reserve(std::min<size_t>(steady, size_t{1} << 16));
   }
 }
 

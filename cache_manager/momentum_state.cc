@@ -1,6 +1,7 @@
 #include "cache_manager/momentum_state.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "cache_manager/check.h"
@@ -87,12 +88,44 @@ size_t ScoreSpanBytes(const kernels::ScoreMatrix& scores) {
          kernels::ScoreDtypeSize(scores.dtype);
 }
 
+// Bytes per token of capacity. Host: positions (8), momentum (4), the update scratch (4),
+// the selection keys (8) and the selected indices (8). Device: momentum, scratch,
+// positions, selected, gathered, selection keys (4+4+8+8+8+8), the two host staging
+// arrays (16) and the host index scratch (8).
+int64_t BytesPerToken(const kernels::KernelBackend& backend) {
+  return backend.memory == kernels::MemorySpace::kHost ? 32 : 64;
+}
+
 }  // namespace
+
+int64_t MomentumState::BytesFor(int64_t tokens, const kernels::KernelBackend& backend) {
+  const int64_t per_token = BytesPerToken(backend);
+  if (tokens <= 0) return 0;
+  if (tokens > std::numeric_limits<int64_t>::max() / per_token) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return tokens * per_token;
+}
+
+int64_t MomentumState::capacity() const {
+  return device_ != nullptr ? device_->capacity : capacity_;
+}
+
+int64_t MomentumState::reserved_bytes() const { return BytesFor(capacity(), *backend_); }
+
+int64_t MomentumState::GrownCapacity() const {
+  return std::max(size() + 1, std::min(2 * capacity(), std::max(budget_, size()) + 1));
+}
+
+int64_t MomentumState::BytesToAppend() const {
+  if (size() + 1 <= capacity()) return 0;
+  return BytesFor(GrownCapacity(), *backend_) - reserved_bytes();
+}
 
 MomentumState::MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
                              const kernels::KernelBackend& backend, int device)
-    : backend_(&backend) {
-  const int64_t capacity = std::max(prefill_len, budget) + 1;
+    : backend_(&backend), budget_(budget) {
+  const int64_t capacity = prefill_len + 1;
   if (backend.memory == kernels::MemorySpace::kHost) {
     Reserve(capacity);
     positions_.resize(static_cast<size_t>(prefill_len));
@@ -246,7 +279,7 @@ void MomentumState::Append(int64_t position, float momentum) {
   if (device_ != nullptr) {
     DeviceArrays& d = *device_;
     if (!status_.ok() || !Check(backend_->mem.set_device(d.device))) return;
-    if (device_size_ + 1 > d.capacity) ReserveDevice(std::max(device_size_ + 1, 2 * d.capacity));
+    if (device_size_ + 1 > d.capacity) ReserveDevice(GrownCapacity());
     if (!status_.ok()) return;
     backend_->append_entry(d.momentum, d.positions, device_size_, position, momentum, nullptr,
                            d.stream);
@@ -257,7 +290,7 @@ void MomentumState::Append(int64_t position, float momentum) {
     return;
   }
   KVCM_CHECK(positions_.empty() || position > positions_.back());
-  if (size() + 1 > capacity_) Reserve(std::max(size() + 1, 2 * capacity_));
+  if (size() + 1 > capacity_) Reserve(GrownCapacity());
   positions_.push_back(position);
   momentum_.push_back(momentum);
 }
@@ -269,7 +302,7 @@ void MomentumState::AppendAtMean(int64_t position) {
   }
   DeviceArrays& d = *device_;
   if (!status_.ok() || !Check(backend_->mem.set_device(d.device))) return;
-  if (device_size_ + 1 > d.capacity) ReserveDevice(std::max(device_size_ + 1, 2 * d.capacity));
+  if (device_size_ + 1 > d.capacity) ReserveDevice(GrownCapacity());
   if (!status_.ok()) return;
   // The mean stays on the device: the new entry reads it in stream order.
   backend_->mean_momentum(d.momentum, device_size_, d.mean, d.stream);

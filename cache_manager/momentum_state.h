@@ -43,9 +43,10 @@ class MomentumState {
   };
 
   // The prefill cache {0 .. prefill_len-1}. Momentum starts at 0, or at each token's own
-  // position when `momentum_is_position` (recency). Scratch is sized for the larger of the
-  // prefill and the budget, plus the token each step adds. `device`: the device of a
-  // device backend (ignored on the host). Check status() on a device backend.
+  // position when `momentum_is_position` (recency). The arrays are sized for the prefill
+  // plus the token each step adds, never for the budget (a client's number): they grow
+  // with the cache, up to the budget plus one. `device`: the device of a device backend
+  // (ignored on the host). Check status() on a device backend.
   MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
                 const kernels::KernelBackend& backend = kernels::CpuBackend(), int device = 0);
   ~MomentumState();
@@ -56,6 +57,15 @@ class MomentumState {
   int64_t size() const {
     return device_ != nullptr ? device_size_ : static_cast<int64_t>(positions_.size());
   }
+
+  // The bytes the arrays of a state with room for `tokens` hold on `backend` (host and
+  // device memory together), saturating at INT64_MAX: what a sequence opened with a
+  // prefill of tokens - 1 allocates before its first step.
+  static int64_t BytesFor(int64_t tokens, const kernels::KernelBackend& backend);
+  // The bytes its arrays hold now.
+  int64_t reserved_bytes() const;
+  // The bytes the next Append (or AppendAtMean) allocates: 0 while there is room.
+  int64_t BytesToAppend() const;
   // Views valid until the next mutating call (on a device backend: a host copy made by
   // the call, which waits for the device).
   std::span<const int64_t> positions() const;
@@ -117,6 +127,10 @@ class MomentumState {
 
   void Reserve(int64_t capacity);
   void ReserveDevice(int64_t capacity);
+  int64_t capacity() const;
+  // The capacity an Append grows a full state to: doubling, but never past what a cache
+  // of `budget_` tokens plus a new one needs.
+  int64_t GrownCapacity() const;
   // Device backends: records the first failure.
   bool Check(const absl::Status& status) const;
   // Device backends: copies the selected entries' indices and positions to the host,
@@ -127,6 +141,7 @@ class MomentumState {
   void DownloadMirrors() const;
 
   const kernels::KernelBackend* backend_;
+  const int64_t budget_;
 
   // Host backends.
   std::vector<int64_t> positions_;

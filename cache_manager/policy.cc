@@ -116,7 +116,9 @@ absl::Status Policy::Validate(int64_t budget) const {
   if (AggregationName(aggregation) == "unknown" || RefreshName(refresh) == "unknown") {
     return absl::InvalidArgumentError("policy has an unknown aggregation or refresh value");
   }
-  if (protect_sinks + protect_recent > budget) {
+  // Both are >= 0 here, so this is protect_sinks + protect_recent > budget without the
+  // sum, which a client can make wrap around.
+  if (protect_sinks > budget || protect_recent > budget - protect_sinks) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy protects ", protect_sinks, " sink + ", protect_recent,
         " recent tokens, more than the budget of ", budget, " tokens"));

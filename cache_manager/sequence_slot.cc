@@ -9,14 +9,6 @@
 
 namespace kvcm {
 
-bool ByteBudget::TryTake(int64_t bytes) {
-  int64_t used = used_.load(std::memory_order_relaxed);
-  do {
-    if (bytes > limit_ - used) return false;
-  } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
-  return true;
-}
-
 namespace {
 
 // The sequence's KV events as it opens, or null without a log.
@@ -42,29 +34,94 @@ std::unique_ptr<KvSequenceEvents> MakeEvents(KvEventLog* log, const Sequence& s,
 
 SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
                            kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
-                           ByteBudget* join_budget, absl::Time now, KvEventLog* events)
+                           SlotLimits limits, int64_t charged_bytes, absl::Time now,
+                           KvEventLog* events)
     : score_dtype_(score_dtype),
       tp_world_size_(tp_world_size),
-      join_budget_(join_budget),
+      limits_(limits),
       sequence_(std::move(sequence)),
       join_(tp_world_size),
       kv_(std::move(kv)),
       events_(MakeEvents(events, *sequence_, tp_world_size, kv_)),
-      last_active_(now) {}
+      memory_bytes_(charged_bytes),
+      last_active_(now) {
+  MutexLock lock(&mu_);
+  SettleBytesLocked();
+}
 
 SequenceSlot::~SequenceSlot() {
   MutexLock lock(&mu_);
   ReleaseJoinBytesLocked();
+  if (limits_.memory_budget != nullptr && memory_bytes_ != 0) {
+    limits_.memory_budget->Release(memory_bytes_);
+  }
 }
 
 void SequenceSlot::ReleaseJoinBytesLocked() {
-  if (join_budget_ != nullptr && join_bytes_ > 0) join_budget_->Give(join_bytes_);
+  if (limits_.join_budget != nullptr && join_bytes_ > 0) limits_.join_budget->Give(join_bytes_);
   join_bytes_ = 0;
+}
+
+int64_t SequenceSlot::HeldBytesLocked() const {
+  const auto vectors = decision_.evicted.capacity() + decision_.evicted_indices.capacity();
+  return sequence_->state().reserved_bytes() +
+         static_cast<int64_t>(vectors * sizeof(int64_t));
+}
+
+void SequenceSlot::SettleBytesLocked() {
+  const int64_t held = HeldBytesLocked();
+  if (limits_.memory_budget != nullptr) {
+    if (held > memory_bytes_) limits_.memory_budget->Take(held - memory_bytes_);
+    if (held < memory_bytes_) limits_.memory_budget->Release(memory_bytes_ - held);
+  }
+  memory_bytes_ = held;
+}
+
+absl::Status SequenceSlot::ReserveStepLocked(int64_t step, const EvictionDecision* decision) {
+  const Sequence& s = *sequence_;
+  // The table refused prefills past the limit, so the subtraction cannot wrap.
+  if (step > limits_.max_sequence_tokens - s.prefill_len()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", s.id(), "' step ", step, ": it would hold ", s.prefill_len(), " + ", step,
+        " tokens (prefill plus decode), more than --max_sequence_tokens=",
+        limits_.max_sequence_tokens, "; close it"));
+  }
+  if (limits_.memory_budget == nullptr) return absl::OkStatus();
+  // A full cache grows its arrays; a step that evicts more tokens than the slot's decision
+  // has room for grows that (the first step of a long prefill).
+  int64_t bytes = s.state().BytesToAppend();
+  if (decision == &decision_) {
+    const int64_t evicts = s.cache_size() + 1 - s.budget();
+    const auto room = static_cast<int64_t>(
+        std::min(decision_.evicted.capacity(), decision_.evicted_indices.capacity()));
+    if (evicts > room) bytes += (evicts - room) * 2 * static_cast<int64_t>(sizeof(int64_t));
+  }
+  if (bytes <= 0) return absl::OkStatus();
+  const ByteBudget* refused = nullptr;
+  if (!limits_.memory_budget->TryTake(bytes, &refused)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", s.id(), "' step ", step, ": its cache of ", s.cache_size(),
+        " tokens needs more memory to take the step's token: ", refused->Refusal(bytes),
+        "; close sequences or raise the limit"));
+  }
+  memory_bytes_ += bytes;
+  return absl::OkStatus();
 }
 
 absl::Status SequenceSlot::StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
                                       EvictionDecision* decision) {
-  RETURN_IF_ERROR(StepKvLocked(step, scores, decision));
+  // After the first step of a long prefill the slot's decision holds the positions of
+  // most of it; steady steps evict one, so give that memory back.
+  const auto steady = static_cast<size_t>(sequence_->budget()) + 64;
+  if (decision_.evicted.capacity() > 2 * steady || decision_.evicted_indices.capacity() > 2 * steady) {
+    decision_.evicted = std::vector<int64_t>();
+    decision_.evicted_indices = std::vector<int64_t>();
+    SettleBytesLocked();
+  }
+  if (step == sequence_->last_step() + 1) RETURN_IF_ERROR(ReserveStepLocked(step, decision));
+  absl::Status stepped = StepKvLocked(step, scores, decision);
+  SettleBytesLocked();
+  RETURN_IF_ERROR(stepped);
   if (events_ != nullptr) events_->Stepped(*decision, kv_.has_value() ? &*kv_ : nullptr);
   return absl::OkStatus();
 }
@@ -152,17 +209,23 @@ absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, Decision
     const std::vector<int32_t> missing = join_.MissingRanks();
     return std::find(missing.begin(), missing.end(), report.rank) != missing.end();
   };
-  if (bytes > 0 && join_budget_ != nullptr && !join_budget_->TryTake(bytes)) {
-    absl::Status refused = absl::ResourceExhaustedError(absl::StrCat(
-        "sequence '", sequence.id(), "' step ", report.step, " rank ", report.rank, ": its ",
-        bytes, " bytes of partial sums do not fit: pending tensor-parallel steps hold ",
-        join_budget_->used(), " of the daemon's ", join_budget_->limit(),
-        " bytes (--max_pending_join_bytes)"));
+  ByteBudget* const join_budget = limits_.join_budget;
+  const ByteBudget* refused_by = nullptr;
+  if (bytes > 0 && join_budget != nullptr && !join_budget->TryTake(bytes, &refused_by)) {
+    const std::string why =
+        refused_by == join_budget
+            ? absl::StrCat("pending tensor-parallel steps hold ", join_budget->used(),
+                           " of the daemon's ", join_budget->limit(),
+                           " bytes (--max_pending_join_bytes)")
+            : refused_by->Refusal(bytes);
+    absl::Status refused = absl::ResourceExhaustedError(
+        absl::StrCat("sequence '", sequence.id(), "' step ", report.step, " rank ",
+                     report.rank, ": its ", bytes, " bytes of partial sums do not fit: ", why));
     if (joins_pending_step()) RejectStepLocked(step, report.rank, refused);
     return refused;
   }
   if (absl::Status added = join_.Add(report, expect); !added.ok()) {
-    if (bytes > 0 && join_budget_ != nullptr) join_budget_->Give(bytes);
+    if (bytes > 0 && join_budget != nullptr) join_budget->Give(bytes);
     if (joins_pending_step()) RejectStepLocked(step, report.rank, added);
     return added;
   }
@@ -222,6 +285,7 @@ SequenceInfo SequenceSlot::SnapshotLocked(bool with_cache) const {
   info.cache_size = s.cache_size();
   info.next_needs_scores = s.next_needs_scores();
   info.ranks_reported = join_.arrived();
+  info.memory_bytes = memory_bytes_;
   info.stats = s.stats();
   info.last_active = last_active_;
   if (with_cache) {

@@ -9,8 +9,8 @@
 #ifndef KVCM_CACHE_MANAGER_SEQUENCE_SLOT_H_
 #define KVCM_CACHE_MANAGER_SEQUENCE_SLOT_H_
 
-#include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "cache_manager/budget.h"
 #include "cache_manager/eviction_decision.h"
 #include "cache_manager/fold.h"
 #include "cache_manager/kv_events.h"
@@ -51,20 +52,12 @@ struct DecisionWaiter {
   int64_t tag = 0;
 };
 
-// A daemon-wide cap on bytes held for others: the partial sums of tensor-parallel steps
-// waiting for their other ranks. Thread-safe (lock-free).
-class ByteBudget {
- public:
-  explicit ByteBudget(int64_t limit) : limit_(limit) {}
-  // Takes `bytes` when they fit under the limit; false (nothing taken) otherwise.
-  bool TryTake(int64_t bytes);
-  void Give(int64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
-  int64_t used() const { return used_.load(std::memory_order_relaxed); }
-  int64_t limit() const { return limit_; }
-
- private:
-  const int64_t limit_;
-  std::atomic<int64_t> used_{0};
+// The daemon-wide limits a slot answers to. The budgets may be null (no cap) and must
+// outlive the slot.
+struct SlotLimits {
+  ByteBudget* join_budget = nullptr;    // partial sums of pending tensor-parallel steps
+  ByteBudget* memory_budget = nullptr;  // the engine state of every sequence
+  int64_t max_sequence_tokens = std::numeric_limits<int64_t>::max();  // prefill + decode
 };
 
 // A snapshot of one sequence.
@@ -83,6 +76,7 @@ struct SequenceInfo {
   int64_t cache_size = 0;
   bool next_needs_scores = false;
   int32_t ranks_reported = 0;  // for the pending step, tensor-parallel only
+  int64_t memory_bytes = 0;    // engine state and decision buffers it holds
   SequenceStats stats;
   absl::Time last_active;
   // Only when asked for: the cached positions (ascending) and their momentum, and with
@@ -94,11 +88,13 @@ struct SequenceInfo {
 
 class SequenceSlot {
  public:
-  // `kv` is the sequence's lease (nullopt without pools); `join_budget` may be null (no
-  // cap) and must outlive the slot; so must `events` (null: no KV events).
+  // `kv` is the sequence's lease (nullopt without pools). `charged_bytes`: what was taken
+  // from `limits.memory_budget` for the sequence before it was built; the slot owns them
+  // from now on, keeps them equal to what it holds, and gives them back when destroyed.
+  // `events` (null: no KV events) must outlive the slot.
   SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
-               kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
-               ByteBudget* join_budget, absl::Time now, KvEventLog* events = nullptr);
+               kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv, SlotLimits limits,
+               int64_t charged_bytes, absl::Time now, KvEventLog* events = nullptr);
   ~SequenceSlot();
 
   SequenceSlot(const SequenceSlot&) = delete;
@@ -179,10 +175,19 @@ class SequenceSlot {
   void RejectStepLocked(int64_t step, int32_t rank, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseJoinBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The limits of an in-order step, checked before it runs: the sequence's tokens, and
+  // the memory it may grow by (taken from the memory budget). RESOURCE_EXHAUSTED, with
+  // nothing taken, when the step is past one of them.
+  absl::Status ReserveStepLocked(int64_t step, const EvictionDecision* decision)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bytes the engine state and the slot's decision buffers hold.
+  int64_t HeldBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Makes the bytes charged to the memory budget what the slot holds.
+  void SettleBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const kernels::ScoreDtype score_dtype_;
   const int32_t tp_world_size_;
-  ByteBudget* const join_budget_;
+  const SlotLimits limits_;
   mutable Mutex mu_;
   std::unique_ptr<Sequence> sequence_ ABSL_GUARDED_BY(mu_);
   TensorParallelJoin join_ ABSL_GUARDED_BY(mu_);
@@ -190,7 +195,8 @@ class SequenceSlot {
   const std::unique_ptr<KvSequenceEvents> events_ ABSL_PT_GUARDED_BY(mu_);  // null: no log
   std::vector<DecisionWaiter> waiting_ ABSL_GUARDED_BY(mu_);
   std::optional<Rejection> rejection_ ABSL_GUARDED_BY(mu_);
-  int64_t join_bytes_ ABSL_GUARDED_BY(mu_) = 0;       // taken from join_budget_
+  int64_t join_bytes_ ABSL_GUARDED_BY(mu_) = 0;       // taken from limits_.join_budget
+  int64_t memory_bytes_ ABSL_GUARDED_BY(mu_) = 0;     // taken from limits_.memory_budget
   absl::Time join_started_ ABSL_GUARDED_BY(mu_);      // first report of the pending step
   EvictionDecision decision_ ABSL_GUARDED_BY(mu_);    // reused by every step
   absl::Time last_active_ ABSL_GUARDED_BY(mu_);

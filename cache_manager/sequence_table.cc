@@ -1,6 +1,7 @@
 #include "cache_manager/sequence_table.h"
 
 #include <algorithm>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -8,8 +9,6 @@
 
 namespace kvcm {
 namespace {
-
-constexpr size_t kMaxIdLength = 256;
 
 // Adapts a callback to a DecisionSink; deletes itself once called.
 class CallbackSink final : public DecisionSink {
@@ -34,10 +33,20 @@ class CallbackSink final : public DecisionSink {
 
 }  // namespace
 
+absl::Status CheckSequenceId(absl::string_view id) {
+  if (id.empty() || id.size() > kMaxSequenceIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence id must be 1 to ", kMaxSequenceIdBytes, " bytes (got ", id.size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 SequenceTable::SequenceTable(SequenceTableOptions options)
     : options_(options),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
-      join_budget_(options.max_pending_join_bytes) {}
+      memory_budget_(options.memory_limit_bytes, "--memory_limit_bytes"),
+      join_budget_(options.max_pending_join_bytes, "--max_pending_join_bytes",
+                   &memory_budget_) {}
 
 SequenceTable::~SequenceTable() {
   absl::flat_hash_map<std::string, std::shared_ptr<SequenceSlot>> slots;
@@ -69,6 +78,8 @@ std::vector<std::shared_ptr<SequenceSlot>> SequenceTable::AllSlots() const {
 }
 
 absl::Status SequenceTable::NotFound(absl::string_view id) const {
+  // A too long id is never open: say so without echoing it.
+  RETURN_IF_ERROR(CheckSequenceId(id));
   return absl::NotFoundError(absl::StrCat("sequence '", id, "' is not open"));
 }
 
@@ -90,14 +101,17 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
                                                  const SequenceOptions& options,
                                                  int32_t tp_world_size,
                                                  kernels::ScoreDtype score_dtype) {
-  if (id.empty() || id.size() > kMaxIdLength) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence id must be 1 to ", kMaxIdLength, " bytes (got ", id.size(), ")"));
-  }
+  RETURN_IF_ERROR(CheckSequenceId(id));
   if (tp_world_size < 1 || tp_world_size > options_.max_tp_world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("sequence '", id, "': tp_world_size is ", tp_world_size,
                      "; it must be 1 to ", options_.max_tp_world_size));
+  }
+  if (options.prefill_len > options_.max_sequence_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", id, "': its prefill of ", options.prefill_len,
+        " tokens is more than --max_sequence_tokens=", options_.max_sequence_tokens,
+        " (prefill plus decode)"));
   }
   // Reserve the id before building anything: a duplicate or a full table is refused
   // without allocating the engine state or leasing KV memory.
@@ -113,9 +127,36 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
     }
     slots_.emplace(id, nullptr);
   }
-  const auto unreserve = [&] { Erase(id, nullptr); };
+  // The engine state's memory is taken before it is allocated, so that a refused Open
+  // allocates nothing. It is sized by the prefill, the cache the sequence holds now; it
+  // grows with the cache, each step taking what it needs (SequenceSlot).
+  const SequenceOptions engine_options = WithEngine(options);
+  const kernels::KernelBackend& backend =
+      engine_options.backend != nullptr ? *engine_options.backend : kernels::CpuBackend();
+  const int64_t state_bytes = MomentumState::BytesFor(options.prefill_len + 1, backend);
+  const ByteBudget* refused = nullptr;
+  if (!memory_budget_.TryTake(state_bytes, &refused)) {
+    Erase(id, nullptr);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", id, "': its prefill of ", options.prefill_len, " tokens needs ",
+        state_bytes, " bytes of engine state: ", refused->Refusal(state_bytes),
+        "; close sequences or raise the limit"));
+  }
+  const auto unreserve = [&] {
+    memory_budget_.Give(state_bytes);
+    Erase(id, nullptr);
+  };
   // Built outside the registry lock: the prefill cache of a long context takes a moment.
-  absl::StatusOr<std::unique_ptr<Sequence>> sequence = Sequence::Create(id, WithEngine(options));
+  absl::StatusOr<std::unique_ptr<Sequence>> sequence;
+  try {
+    sequence = Sequence::Create(id, engine_options);
+  } catch (const std::bad_alloc&) {
+    // The limit is above what the machine has: refuse this one rather than die.
+    sequence = absl::ResourceExhaustedError(
+        absl::StrCat("sequence '", id, "': the daemon could not allocate the ", state_bytes,
+                     " bytes of its engine state (--memory_limit_bytes is above what the "
+                     "machine can give)"));
+  }
   if (!sequence.ok()) {
     unreserve();
     return sequence.status();
@@ -133,8 +174,9 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
     }
     kv.emplace(*std::move(lease));
   }
+  const SlotLimits limits{&join_budget_, &memory_budget_, options_.max_sequence_tokens};
   auto slot = std::make_shared<SequenceSlot>(*std::move(sequence), tp_world_size, score_dtype,
-                                             std::move(kv), &join_budget_, clock_->Now(),
+                                             std::move(kv), limits, state_bytes, clock_->Now(),
                                              options_.kv_events);
   SequenceInfo info = slot->Peek();
   if (options_.kv_events != nullptr) {

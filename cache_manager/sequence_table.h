@@ -36,9 +36,25 @@
 
 namespace kvcm {
 
+// Sequence ids are 1 to this many bytes, on every call (a longer one is INVALID_ARGUMENT
+// and is never echoed back).
+inline constexpr size_t kMaxSequenceIdBytes = 256;
+
+// OK when `id` can name a sequence: 1 to kMaxSequenceIdBytes bytes; INVALID_ARGUMENT
+// (giving its length, not its bytes) otherwise.
+absl::Status CheckSequenceId(absl::string_view id);
+
 struct SequenceTableOptions {
   int64_t max_sequences = 65536;
   int32_t max_tp_world_size = 64;
+  // The most tokens one sequence may hold over its life, prefill plus decode: a longer
+  // prefill is refused at Open, a step past it with RESOURCE_EXHAUSTED.
+  int64_t max_sequence_tokens = int64_t{1} << 22;
+  // Caps the bytes of every sequence's engine state (momentum, positions, their scratch,
+  // its decision buffers), the pending tensor-parallel partial sums, and what the
+  // server charges to memory_budget() (its reply buffers), all together: an Open or a
+  // step that would go past it is refused with RESOURCE_EXHAUSTED.
+  int64_t memory_limit_bytes = int64_t{8} << 30;
   const Clock* clock = nullptr;  // nullptr: Clock::Real()
   // The node's KV pools, or nullptr: then sequences hold no KV memory, only decisions.
   // With pools, every sequence leases slots for its cache on every rank. Not owned; must
@@ -114,6 +130,12 @@ class SequenceTable {
   SequenceTableTotals Totals() const;
   // Bytes of partial sums held by pending tensor-parallel steps.
   int64_t pending_join_bytes() const { return join_budget_.used(); }
+  // Bytes counted against memory_limit_bytes, and the budget itself, for the server to
+  // charge what it holds for requests (reply buffers).
+  int64_t memory_bytes() const { return memory_budget_.used(); }
+  // Bytes of it freed so far, in total (a counter).
+  int64_t memory_bytes_freed() const { return memory_budget_.freed(); }
+  ByteBudget* memory_budget() { return &memory_budget_; }
 
   // Abandons every tensor-parallel step whose first report arrived more than `timeout`
   // ago and still misses ranks: its waiting ranks get DEADLINE_EXCEEDED naming the
@@ -153,7 +175,8 @@ class SequenceTable {
 
   const SequenceTableOptions options_;
   const Clock* const clock_;
-  ByteBudget join_budget_;
+  ByteBudget memory_budget_;
+  ByteBudget join_budget_;  // its parent is memory_budget_
   mutable Mutex mu_;
   // A null slot reserves an id whose Open is still building it.
   absl::flat_hash_map<std::string, std::shared_ptr<SequenceSlot>> slots_ ABSL_GUARDED_BY(mu_);

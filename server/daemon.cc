@@ -1,5 +1,6 @@
 #include "server/daemon.h"
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "cache_manager/status_macros.h"
 #include "server/health_service.h"
 #include "server/kvcache_service.h"
+#include "server/translate.h"
 
 namespace kvcm::server {
 namespace {
@@ -134,6 +136,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   table_options.max_tp_world_size = options.max_tp_world_size;
   table_options.kv_pools = d->pools_.get();
   table_options.max_pending_join_bytes = options.max_pending_join_bytes;
+  table_options.max_sequence_tokens = options.max_sequence_tokens;
+  table_options.memory_limit_bytes = options.memory_limit_bytes;
   if (options.kv_events_ring > 0) {
     KvEventLogOptions events;
     events.ring_capacity = options.kv_events_ring;
@@ -220,7 +224,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
 }
 
 void Daemon::ReclaimLoop() {
+  // What the table had freed when memory was last handed back to the system.
+  int64_t freed_at_trim = 0;
   while (!stop_reclaimer_.WaitForNotificationWithTimeout(options_.reclaim_interval)) {
+    // What closed sequences free stays in glibc's heap (kvcached_main keeps large buffers
+    // there, and trims only its top): once a lot was freed, give it back.
+    constexpr int64_t kTrimAfterBytes = int64_t{32} << 20;
+    const int64_t freed = table_->memory_bytes_freed();
+    if (freed - freed_at_trim >= kTrimAfterBytes) {
+      malloc_trim(0);
+      freed_at_trim = freed;
+    }
     if (options_.tp_join_timeout > absl::ZeroDuration()) {
       table_->AbortStaleJoins(options_.tp_join_timeout);
     }
@@ -238,7 +252,7 @@ void Daemon::ReclaimLoop() {
     for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
       metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);
       std::fprintf(stderr, "kvcached: reclaimed sequence '%s' after %s idle (step %lld)\n",
-                   info.id.c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
+                   EscapeText(info.id).c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
                    static_cast<long long>(info.last_step));
     }
   }

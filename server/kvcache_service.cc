@@ -15,10 +15,13 @@ namespace v1 = ::kvcache::v1;
 class UnaryCall {
  public:
   UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
-            const google::protobuf::Message& request)
+            int64_t request_bytes)
       : rpc_(rpc), reactor_(context->DefaultReactor()), metrics_(metrics) {
-    metrics_->Request(rpc, static_cast<int64_t>(request.ByteSizeLong()));
+    metrics_->Request(rpc, request_bytes);
   }
+  UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
+            const google::protobuf::Message& request)
+      : UnaryCall(rpc, context, metrics, static_cast<int64_t>(request.ByteSizeLong())) {}
 
   grpc::ServerUnaryReactor* Finish(const absl::Status& status) {
     if (!status.ok()) metrics_->Error(rpc_, status.code());
@@ -32,24 +35,56 @@ class UnaryCall {
   ServerMetrics* const metrics_;
 };
 
+// A response into the bytes gRPC sends.
+template <typename Message>
+void SerializeTo(const Message& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  // Fails only past 2 GiB, which --max_message_bytes keeps requests and replies under.
+  (void)grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
+}
+
+// A unary RPC on raw bytes: counts it, parses its Request (INVALID_ARGUMENT when it does
+// not parse), runs `handle(request, &response)` and sends the response when it is OK.
+template <typename Request, typename Response, typename Handler>
+grpc::ServerUnaryReactor* RawUnary(Rpc rpc, grpc::CallbackServerContext* context,
+                                   ServerMetrics* metrics, const grpc::ByteBuffer& raw_request,
+                                   grpc::ByteBuffer* raw_response, Handler handle) {
+  UnaryCall call(rpc, context, metrics, static_cast<int64_t>(raw_request.Length()));
+  Request request;
+  if (absl::Status parsed = ParseRequest(raw_request, &request); !parsed.ok()) {
+    return call.Finish(parsed);
+  }
+  Response response;
+  absl::Status status = handle(request, &response);
+  if (status.ok()) SerializeTo(response, raw_response);
+  return call.Finish(status);
+}
+
 }  // namespace
 
 // The unary Step: one PendingBatch per call, freed when the call's reply is out.
 class UnaryStep final : public BatchCompletion {
  public:
-  UnaryStep(grpc::ServerUnaryReactor* reactor, v1::DecisionBatch* response)
+  UnaryStep(grpc::ServerUnaryReactor* reactor, grpc::ByteBuffer* response)
       : reactor_(reactor), response_(response) {}
+  v1::StepBatch& request() { return request_; }
   PendingBatch& batch() { return batch_; }
   void BatchDone(PendingBatch* batch) override {
-    response_->Swap(&batch->reply());
+    SerializeTo(batch->reply(), response_);
     reactor_->Finish(grpc::Status::OK);
+    delete this;
+  }
+  // Ends the call with `status` and no reply (its request did not parse).
+  void Refuse(const grpc::Status& status) {
+    reactor_->Finish(status);
     delete this;
   }
 
  private:
   ~UnaryStep() = default;
   grpc::ServerUnaryReactor* const reactor_;
-  v1::DecisionBatch* const response_;
+  grpc::ByteBuffer* const response_;
+  v1::StepBatch request_;  // the batch reads it until BatchDone
   PendingBatch batch_;
 };
 
@@ -66,39 +101,48 @@ KvCacheService::KvCacheService(const ServerOptions& options, SequenceTable* tabl
 KvCacheService::~KvCacheService() = default;
 
 grpc::ServerUnaryReactor* KvCacheService::OpenSequence(grpc::CallbackServerContext* context,
-                                                       const v1::OpenSequenceRequest* request,
-                                                       v1::OpenSequenceResponse* response) {
-  UnaryCall call(Rpc::kOpenSequence, context, metrics_, *request);
-  absl::StatusOr<OpenParams> params = FromProto(*request);
-  if (!params.ok()) return call.Finish(params.status());
-  absl::StatusOr<SequenceInfo> info =
-      table_->Open(params->id, params->options, params->tp_world_size, params->score_dtype);
-  if (!info.ok()) return call.Finish(info.status());
-  metrics_->SequenceOpened(info->policy.preset);
-  ToProto(*info, absl::Now(), response->mutable_state());
-  return call.Finish(absl::OkStatus());
+                                                       const grpc::ByteBuffer* raw_request,
+                                                       grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::OpenSequenceRequest, v1::OpenSequenceResponse>(
+      Rpc::kOpenSequence, context, metrics_, *raw_request, raw_response,
+      [this](const v1::OpenSequenceRequest& request, v1::OpenSequenceResponse* response) {
+        absl::StatusOr<OpenParams> params = FromProto(request);
+        if (!params.ok()) return params.status();
+        absl::StatusOr<SequenceInfo> info = table_->Open(
+            params->id, params->options, params->tp_world_size, params->score_dtype);
+        if (!info.ok()) return info.status();
+        metrics_->SequenceOpened(info->policy.preset);
+        ToProto(*info, absl::Now(), response->mutable_state());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::CloseSequence(grpc::CallbackServerContext* context,
-                                                        const v1::CloseSequenceRequest* request,
-                                                        v1::CloseSequenceResponse* response) {
-  UnaryCall call(Rpc::kCloseSequence, context, metrics_, *request);
-  absl::StatusOr<SequenceInfo> last = table_->Close(request->sequence_id());
-  if (!last.ok()) return call.Finish(last.status());
-  metrics_->SequenceClosed(last->policy.preset, CloseReason::kClient);
-  ToProto(last->stats, response->mutable_stats());
-  return call.Finish(absl::OkStatus());
+                                                        const grpc::ByteBuffer* raw_request,
+                                                        grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::CloseSequenceRequest, v1::CloseSequenceResponse>(
+      Rpc::kCloseSequence, context, metrics_, *raw_request, raw_response,
+      [this](const v1::CloseSequenceRequest& request, v1::CloseSequenceResponse* response) {
+        absl::StatusOr<SequenceInfo> last = table_->Close(request.sequence_id());
+        if (!last.ok()) return last.status();
+        metrics_->SequenceClosed(last->policy.preset, CloseReason::kClient);
+        ToProto(last->stats, response->mutable_stats());
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::InspectSequence(
-    grpc::CallbackServerContext* context, const v1::InspectSequenceRequest* request,
-    v1::InspectSequenceResponse* response) {
-  UnaryCall call(Rpc::kInspectSequence, context, metrics_, *request);
-  absl::StatusOr<SequenceInfo> info =
-      table_->Inspect(request->sequence_id(), request->include_cache());
-  if (!info.ok()) return call.Finish(info.status());
-  ToProto(*info, absl::Now(), response->mutable_state());
-  return call.Finish(absl::OkStatus());
+grpc::ServerUnaryReactor* KvCacheService::InspectSequence(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* raw_request,
+                                                          grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::InspectSequenceRequest, v1::InspectSequenceResponse>(
+      Rpc::kInspectSequence, context, metrics_, *raw_request, raw_response,
+      [this](const v1::InspectSequenceRequest& request, v1::InspectSequenceResponse* response) {
+        absl::StatusOr<SequenceInfo> info =
+            table_->Inspect(request.sequence_id(), request.include_cache());
+        if (!info.ok()) return info.status();
+        ToProto(*info, absl::Now(), response->mutable_state());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* context,
@@ -123,29 +167,40 @@ grpc::ServerUnaryReactor* KvCacheService::DescribeKvPools(
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
-                                               const v1::StepBatch* request,
-                                               v1::DecisionBatch* response) {
+                                               const grpc::ByteBuffer* raw_request,
+                                               grpc::ByteBuffer* raw_response) {
   // Requests, per-sequence errors and batch time are recorded by the processor; the call
   // itself cannot fail once the batch parsed.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto* call = new UnaryStep(reactor, response);
-  processor_.Process(*request, /*tenant=*/"", Rpc::kStep, &call->batch(), call);
+  auto* call = new UnaryStep(reactor, raw_response);
+  if (absl::Status parsed = ParseRequest(*raw_request, &call->request()); !parsed.ok()) {
+    metrics_->Request(Rpc::kStep, static_cast<int64_t>(raw_request->Length()));
+    metrics_->Error(Rpc::kStep, parsed.code());
+    call->Refuse(ToGrpc(parsed));
+    return reactor;
+  }
+  processor_.Process(call->request(), /*tenant=*/"", Rpc::kStep, &call->batch(), call);
   return reactor;
 }
 
-grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(
-    grpc::CallbackServerContext* context, const v1::RegisterScoreRegionRequest* request,
-    v1::RegisterScoreRegionResponse* response) {
-  UnaryCall call(Rpc::kRegisterScoreRegion, context, metrics_, *request);
-  if (regions_ == nullptr) {
-    return call.Finish(absl::FailedPreconditionError(
-        "kvcached runs without --allow_shm_scores: score regions are off; send scores inline"));
-  }
-  absl::StatusOr<uint64_t> region =
-      regions_->Register(/*tenant=*/"", request->name(), request->byte_size());
-  if (!region.ok()) return call.Finish(region.status());
-  response->set_region(*region);
-  return call.Finish(absl::OkStatus());
+grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServerContext* context,
+                                                              const grpc::ByteBuffer* raw_request,
+                                                              grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::RegisterScoreRegionRequest, v1::RegisterScoreRegionResponse>(
+      Rpc::kRegisterScoreRegion, context, metrics_, *raw_request, raw_response,
+      [this](const v1::RegisterScoreRegionRequest& request,
+             v1::RegisterScoreRegionResponse* response) {
+        if (regions_ == nullptr) {
+          return absl::FailedPreconditionError(
+              "kvcached runs without --allow_shm_scores: score regions are off; send scores "
+              "inline");
+        }
+        absl::StatusOr<uint64_t> region =
+            regions_->Register(/*tenant=*/"", request.name(), request.byte_size());
+        if (!region.ok()) return region.status();
+        response->set_region(*region);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
@@ -159,7 +214,7 @@ grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
   return call.Finish(regions_->Unregister(/*tenant=*/"", request->region()));
 }
 
-grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::StepStream(
     grpc::CallbackServerContext* /*context*/) {
   auto* reactor = new StepStreamReactor(this, &processor_, metrics_,
                                         options_.max_inflight_batches, /*tenant=*/"");

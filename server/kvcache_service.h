@@ -4,6 +4,11 @@
 // one wrapper (UnaryCall). StepStream runs one reactor per worker rank, WatchKvEvents one
 // per subscriber (server/kv_events_reactor.h). Nothing here blocks and no engine work
 // runs on a gRPC thread.
+//
+// The RPCs whose requests carry strings (sequence ids, region names) take their request
+// as bytes and parse it here (ParseRequest): a message gRPC fails to parse (a string that
+// is not valid UTF-8) would otherwise be answered UNIMPLEMENTED with no message, or end a
+// stream as if the client had closed it; here it is INVALID_ARGUMENT saying so.
 #ifndef KVCM_SERVER_KVCACHE_SERVICE_H_
 #define KVCM_SERVER_KVCACHE_SERVICE_H_
 
@@ -11,6 +16,8 @@
 #include <memory>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "cache_manager/sequence_table.h"
 #include "grpcpp/grpcpp.h"
@@ -24,37 +31,67 @@ namespace kvcm::server {
 
 class StepStreamReactor;
 
-class KvCacheService final : public ::kvcache::v1::KvCache::CallbackService {
+namespace internal {
+using KvCache = ::kvcache::v1::KvCache;
+// Raw (bytes) for the RPCs whose requests carry strings, typed for the rest. Built on the
+// plain Service: the raw StepStream cannot sit on top of CallbackService's typed one.
+using KvCacheServiceBase = KvCache::WithRawCallbackMethod_OpenSequence<
+    KvCache::WithRawCallbackMethod_CloseSequence<KvCache::WithRawCallbackMethod_InspectSequence<
+        KvCache::WithCallbackMethod_ListSequences<KvCache::WithRawCallbackMethod_Step<
+            KvCache::WithRawCallbackMethod_StepStream<KvCache::WithCallbackMethod_DescribeKvPools<
+                KvCache::WithRawCallbackMethod_RegisterScoreRegion<
+                    KvCache::WithCallbackMethod_UnregisterScoreRegion<
+                        KvCache::WithCallbackMethod_WatchKvEvents<KvCache::Service>>>>>>>>>>;
+}  // namespace internal
+
+// Parses `raw` into `out`; INVALID_ARGUMENT naming the message type when it does not
+// parse (a string field that is not valid UTF-8, or bytes that are not that message).
+template <typename Message>
+absl::Status ParseRequest(const grpc::ByteBuffer& raw, Message* out) {
+  grpc::ByteBuffer bytes(raw);  // Deserialize consumes its buffer; this shares the slices
+  if (grpc::SerializationTraits<Message>::Deserialize(&bytes, out).ok()) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the request does not parse as ", Message::descriptor()->full_name(),
+      ": a string field (a sequence id, a name) is not valid UTF-8, or the bytes are not "
+      "that message"));
+}
+
+class KvCacheService final : public internal::KvCacheServiceBase {
  public:
   // `pools` may be null (no KV pools), `regions` too (score regions not allowed).
   KvCacheService(const ServerOptions& options, SequenceTable* table, const KvPools* pools,
                  StepExecutor* executor, ScoreRegions* regions, ServerMetrics* metrics);
   ~KvCacheService() override;
 
+  // Raw: OpenSequenceRequest, CloseSequenceRequest, InspectSequenceRequest in; their
+  // responses out.
   grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* context,
-                                         const ::kvcache::v1::OpenSequenceRequest* request,
-                                         ::kvcache::v1::OpenSequenceResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* context,
-                                          const ::kvcache::v1::CloseSequenceRequest* request,
-                                          ::kvcache::v1::CloseSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* InspectSequence(
-      grpc::CallbackServerContext* context, const ::kvcache::v1::InspectSequenceRequest* request,
-      ::kvcache::v1::InspectSequenceResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* InspectSequence(grpc::CallbackServerContext* context,
+                                            const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
                                           const ::kvcache::v1::ListSequencesRequest* request,
                                           ::kvcache::v1::ListSequencesResponse* response) override;
+  // Raw: a StepBatch in, a DecisionBatch out (the stream: one of each per message).
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
-                                 const ::kvcache::v1::StepBatch* request,
-                                 ::kvcache::v1::DecisionBatch* response) override;
-  grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch>* StepStream(
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* DescribeKvPools(
       grpc::CallbackServerContext* context, const ::kvcache::v1::DescribeKvPoolsRequest* request,
       ::kvcache::v1::DescribeKvPoolsResponse* response) override;
-  grpc::ServerUnaryReactor* RegisterScoreRegion(
-      grpc::CallbackServerContext* context,
-      const ::kvcache::v1::RegisterScoreRegionRequest* request,
-      ::kvcache::v1::RegisterScoreRegionResponse* response) override;
+  // Raw: RegisterScoreRegionRequest in, RegisterScoreRegionResponse out.
+  grpc::ServerUnaryReactor* RegisterScoreRegion(grpc::CallbackServerContext* context,
+                                                const grpc::ByteBuffer* request,
+                                                grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnregisterScoreRegion(
       grpc::CallbackServerContext* context,
       const ::kvcache::v1::UnregisterScoreRegionRequest* request,

@@ -74,6 +74,13 @@ ABSL_FLAG(std::string, engine_backend, "auto",
           "cuda (GPU --engine_device), emulated (the device code path on the CPU, for "
           "tests), or auto (cuda with --backend=cuda, else cpu)");
 ABSL_FLAG(int32_t, engine_device, 0, "the GPU of the sequences' state with the cuda engine");
+ABSL_FLAG(int64_t, max_sequence_tokens, int64_t{1} << 22,
+          "most tokens one sequence holds over its life, prefill plus decode; a longer "
+          "prefill, or a step past it, is refused (RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int64_t, memory_limit_bytes, int64_t{8} << 30,
+          "bytes the daemon holds for requests, all together: every sequence's engine "
+          "state, pending tensor-parallel partial sums and reply buffers; an open or step "
+          "past it is refused (RESOURCE_EXHAUSTED)");
 
 #ifndef KVCM_VERSION
 #define KVCM_VERSION "0.0.0"
@@ -193,6 +200,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "kvcached: --engine_threads must be 0 to 1024, --max_inflight_batches 1 to "
                  "1024, --max_pending_join_bytes >= 0, --max_score_regions >= 1\n");
+    return 2;
+  }
+  options.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_bytes);
+  if (options.max_sequence_tokens < 1 || options.max_sequence_tokens > (int64_t{1} << 40) ||
+      options.memory_limit_bytes < 1) {
+    std::fprintf(stderr,
+                 "kvcached: --max_sequence_tokens must be 1 to 2^40, --memory_limit_bytes >= 1\n");
     return 2;
   }
   if (options.max_sequences < 1 || options.max_streams < 1 || options.max_tp_world_size < 1 ||

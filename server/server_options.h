@@ -81,6 +81,11 @@ struct ServerOptions {
   // this process) that holds every sequence's state when it runs on CUDA.
   EngineBackend engine_backend = EngineBackend::kAuto;
   int32_t engine_device = 0;
+  // Request limits (docs/RELIABILITY.md): the most tokens one sequence holds over its
+  // life (prefill plus decode), and the bytes the daemon holds for requests: every
+  // sequence's engine state, pending tensor-parallel partial sums and reply buffers.
+  int64_t max_sequence_tokens = int64_t{1} << 22;
+  int64_t memory_limit_bytes = int64_t{8} << 30;
 };
 
 }  // namespace kvcm::server

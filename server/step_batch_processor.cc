@@ -18,15 +18,30 @@ void PendingBatch::OnDecided(int64_t tag, const absl::Status& status,
   if (request_->rank() == 0) processor_->metrics_->StepDecided(decision, decision.decide_seconds);
   // Reports of one batch are decided on several engine threads at once, each writing its
   // own Decision; the container itself was sized in Process and is not touched.
-  ToProto(decision, reply_.mutable_decisions(static_cast<int>(tag)));
+  ::kvcache::v1::Decision* d = reply_.mutable_decisions(static_cast<int>(tag));
+  ToProto(decision, d);
+  reply_bytes_.fetch_add(static_cast<int64_t>(d->evicted_size() * sizeof(int64_t) +
+                                              d->evicted_mask().size()),
+                         std::memory_order_relaxed);
   Release();
+}
+
+PendingBatch::~PendingBatch() { ReleaseReply(); }
+
+void PendingBatch::ReleaseReply() {
+  if (charged_reply_bytes_ == 0) return;
+  processor_->table_->memory_budget()->Release(charged_reply_bytes_);
+  // A reply of a long prefill's first step holds megabytes; the next batches need bytes.
+  constexpr int64_t kKeptReplyBytes = int64_t{1} << 20;
+  if (charged_reply_bytes_ > kKeptReplyBytes) reply_ = ::kvcache::v1::DecisionBatch();
+  charged_reply_bytes_ = 0;
 }
 
 void PendingBatch::Fail(int64_t index, const absl::Status& status) {
   processor_->metrics_->Error(rpc_, status.code());
   ::kvcache::v1::Decision& d = *reply_.mutable_decisions(static_cast<int>(index));
   d.set_code(static_cast<int32_t>(status.code()));
-  d.set_message(std::string(status.message()));
+  d.set_message(EscapeText(status.message()));
   Release();
 }
 
@@ -35,6 +50,9 @@ void PendingBatch::Release() {
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   processor_->metrics_->BatchDone(rpc_, reply_.decisions_size(),
                                   absl::ToDoubleSeconds(absl::Now() - start_));
+  // Taken even past the limit: the steps happened. What comes next is refused instead.
+  charged_reply_bytes_ = reply_bytes_.exchange(0, std::memory_order_relaxed);
+  if (charged_reply_bytes_ > 0) processor_->table_->memory_budget()->Take(charged_reply_bytes_);
   completion_->BatchDone(this);
 }
 
@@ -50,6 +68,7 @@ void StepBatchProcessor::Process(const ::kvcache::v1::StepBatch& request,
                                  absl::string_view tenant, Rpc rpc, PendingBatch* batch,
                                  BatchCompletion* completion) {
   PendingBatch& b = *batch;
+  if (b.processor_ != nullptr) b.ReleaseReply();
   b.processor_ = this;
   b.completion_ = completion;
   b.request_ = &request;
@@ -122,6 +141,11 @@ void StepBatchProcessor::RunShard(void* task, int32_t shard) {
 void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
   const ::kvcache::v1::StepReport& report = b.request_->reports(index);
   const std::string& id = report.sequence_id();
+  // Before any message quotes the id: a too long one is refused without echoing it.
+  if (absl::Status valid = CheckSequenceId(id); !valid.ok()) {
+    b.Fail(index, valid);
+    return;
+  }
   const auto fail = [&](const absl::Status& status) {
     b.Fail(index, absl::Status(status.code(),
                                absl::StrCat("sequence '", id, "' step ", report.step(), ": ",

@@ -43,6 +43,7 @@ class BatchCompletion {
 class PendingBatch final : public DecisionSink {
  public:
   PendingBatch() = default;
+  ~PendingBatch();
   PendingBatch(const PendingBatch&) = delete;
   PendingBatch& operator=(const PendingBatch&) = delete;
 
@@ -62,6 +63,9 @@ class PendingBatch final : public DecisionSink {
 
   void Fail(int64_t index, const absl::Status& status);
   void Release();
+  // Gives the reply's bytes back to the memory budget before the batch is reused or
+  // destroyed (dropping a large reply's buffers, which Clear would keep).
+  void ReleaseReply();
 
   class StepBatchProcessor* processor_ = nullptr;
   BatchCompletion* completion_ = nullptr;
@@ -71,6 +75,10 @@ class PendingBatch final : public DecisionSink {
   absl::Time start_;
   std::atomic<int64_t> remaining_{0};
   ::kvcache::v1::DecisionBatch reply_;
+  // The reply's decision payloads (evicted positions, masks) as they are written, charged
+  // to the table's memory budget once the batch is done, until it is reused.
+  std::atomic<int64_t> reply_bytes_{0};
+  int64_t charged_reply_bytes_ = 0;
   std::vector<int32_t> report_shard_;  // [reports] the engine thread of each report
   std::vector<int32_t> next_;          // [threads] scratch of the counting sort
   std::vector<int32_t> by_shard_;     // report indices, grouped by engine thread

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "server/kvcache_service.h"
 
 namespace kvcm::server {
@@ -33,15 +34,26 @@ void StepStreamReactor::Start(const grpc::Status& refusal) {
     absl::MutexLock lock(&mu_);
     reading_ = true;
   }
-  StartRead(&SlotAt(0).request);
+  StartRead(&SlotAt(0).request_bytes);
 }
 
-const ::kvcache::v1::DecisionBatch* StepStreamReactor::TakeWriteLocked() {
+StepStreamReactor::Slot* StepStreamReactor::TakeWriteLocked() {
   if (writing_ || finished_ || cancelled_ || written_seq_ == read_seq_) return nullptr;
   Slot& oldest = SlotAt(written_seq_);
   if (!oldest.decided) return nullptr;
   writing_ = true;
-  return &oldest.batch.reply();
+  return &oldest;
+}
+
+void StepStreamReactor::Write(Slot* slot) {
+  bool own_buffer = false;
+  // The slot's previous reply is written (its OnWriteDone came); gRPC serializes only into
+  // an empty buffer.
+  slot->reply_bytes.Clear();
+  // Fails only past 2 GiB, which --max_message_bytes keeps replies under.
+  (void)grpc::SerializationTraits<::kvcache::v1::DecisionBatch>::Serialize(
+      slot->batch.reply(), &slot->reply_bytes, &own_buffer);
+  StartWrite(&slot->reply_bytes);
 }
 
 bool StepStreamReactor::TakeReadLocked() {
@@ -59,7 +71,7 @@ std::optional<grpc::Status> StepStreamReactor::TakeFinishLocked() {
   }
   if (reads_done_ && written_seq_ == read_seq_) {  // every batch answered
     finished_ = true;
-    return grpc::Status::OK;
+    return read_error_;
   }
   return std::nullopt;
 }
@@ -67,11 +79,30 @@ std::optional<grpc::Status> StepStreamReactor::TakeFinishLocked() {
 void StepStreamReactor::OnReadDone(bool ok) {
   std::optional<grpc::Status> finish;
   Slot* slot = nullptr;
+  absl::Status parsed;
+  if (ok) {
+    // Parsed outside the lock: the slot read into is this reactor's alone until it is
+    // counted as read below.
+    Slot* read_into = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      read_into = &SlotAt(read_seq_);
+    }
+    parsed = ParseRequest(read_into->request_bytes, &read_into->request);
+    read_into->request_bytes.Clear();
+  }
   {
     absl::MutexLock lock(&mu_);
     reading_ = false;
-    if (!ok) {  // the client half-closed, or the call ended
+    if (!ok || !parsed.ok()) {  // the client half-closed, the call ended, or bad bytes
       reads_done_ = true;
+      if (!parsed.ok()) {
+        read_error_ = grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("message ", read_seq_ + 1, " of this stream: ", parsed.message(),
+                         "; the stream ends after the replies to the batches before it"));
+        metrics_->Error(Rpc::kStepStream, parsed.code());
+      }
       finish = TakeFinishLocked();
     } else {
       slot = &SlotAt(read_seq_++);
@@ -85,16 +116,16 @@ void StepStreamReactor::OnReadDone(bool ok) {
   }
   // BatchDone may run inside (single-rank batches decided at once) or on an engine thread.
   processor_->Process(slot->request, tenant_, Rpc::kStepStream, &slot->batch, this);
-  ::kvcache::v1::StepBatch* next = nullptr;
+  grpc::ByteBuffer* next = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    if (TakeReadLocked()) next = &SlotAt(read_seq_).request;
+    if (TakeReadLocked()) next = &SlotAt(read_seq_).request_bytes;
   }
   if (next != nullptr) StartRead(next);
 }
 
 void StepStreamReactor::BatchDone(PendingBatch* batch) {
-  const ::kvcache::v1::DecisionBatch* to_write = nullptr;
+  Slot* to_write = nullptr;
   std::optional<grpc::Status> finish;
   bool delete_now = false;
   {
@@ -111,13 +142,13 @@ void StepStreamReactor::BatchDone(PendingBatch* batch) {
     delete this;
     return;
   }
-  if (to_write != nullptr) StartWrite(to_write);
+  if (to_write != nullptr) Write(to_write);
   if (finish) Finish(*finish);
 }
 
 void StepStreamReactor::OnWriteDone(bool ok) {
-  const ::kvcache::v1::DecisionBatch* to_write = nullptr;
-  ::kvcache::v1::StepBatch* next_read = nullptr;
+  Slot* to_write = nullptr;
+  grpc::ByteBuffer* next_read = nullptr;
   std::optional<grpc::Status> finish;
   {
     absl::MutexLock lock(&mu_);
@@ -129,10 +160,10 @@ void StepStreamReactor::OnWriteDone(bool ok) {
       cancelled_ = true;  // the stream broke: the client is gone
     }
     to_write = TakeWriteLocked();
-    if (TakeReadLocked()) next_read = &SlotAt(read_seq_).request;
+    if (TakeReadLocked()) next_read = &SlotAt(read_seq_).request_bytes;
     if (to_write == nullptr) finish = TakeFinishLocked();
   }
-  if (to_write != nullptr) StartWrite(to_write);
+  if (to_write != nullptr) Write(to_write);
   if (next_read != nullptr) StartRead(next_read);
   if (finish) Finish(*finish);
 }

@@ -5,6 +5,10 @@
 // has not read yet) it stops reading: HTTP/2 flow control then holds the client back, and
 // the daemon buffers nothing more for this stream.
 //
+// Messages travel as bytes that the reactor parses and serializes itself, so that a
+// message that does not parse ends the stream with INVALID_ARGUMENT (once the batches read
+// before it are answered) instead of looking like the client's half-close.
+//
 // Lifetime: a batch of a tensor-parallel step may stay in the engine after the call has
 // ended (until its other ranks report, the join times out, or the sequence closes). The
 // reactor then outlives OnDone and deletes itself when its last batch comes back.
@@ -28,9 +32,8 @@ namespace kvcm::server {
 
 class KvCacheService;
 
-class StepStreamReactor final
-    : public grpc::ServerBidiReactor<::kvcache::v1::StepBatch, ::kvcache::v1::DecisionBatch>,
-      public BatchCompletion {
+class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                public BatchCompletion {
  public:
   StepStreamReactor(KvCacheService* service, StepBatchProcessor* processor,
                     ServerMetrics* metrics, int32_t max_inflight, std::string tenant);
@@ -46,8 +49,10 @@ class StepStreamReactor final
 
  private:
   struct Slot {
+    grpc::ByteBuffer request_bytes;  // read into, then parsed into `request`
     ::kvcache::v1::StepBatch request;
     PendingBatch batch;
+    grpc::ByteBuffer reply_bytes;  // the reply, serialized for its write
     bool decided = false;  // BatchDone came; the reply may be written
   };
 
@@ -55,8 +60,10 @@ class StepStreamReactor final
 
   Slot& SlotAt(int64_t sequence) { return *slots_[static_cast<size_t>(sequence % max_inflight_)]; }
   // Starts the next write when none is in flight and the oldest batch is decided.
-  // Returns the reply to write (the caller calls StartWrite after unlocking), or null.
-  const ::kvcache::v1::DecisionBatch* TakeWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns the slot whose reply to write (the caller calls Write after unlocking), or null.
+  Slot* TakeWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Serializes the slot's reply and starts writing it.
+  void Write(Slot* slot);
   // Whether to start the next read now (a slot is free and reading is not over).
   bool TakeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // When the call should end now, marks it finished and returns the status to finish with.
@@ -78,6 +85,8 @@ class StepStreamReactor final
   bool reading_ ABSL_GUARDED_BY(mu_) = false;     // a read is in flight
   bool writing_ ABSL_GUARDED_BY(mu_) = false;     // a write is in flight
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  // Why reading stopped early (a message that did not parse): the stream's final status.
+  grpc::Status read_error_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;        // OnDone ran

@@ -1,6 +1,8 @@
 #include "server/translate.h"
 
+#include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -351,10 +353,85 @@ absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,
                                      static_cast<int64_t>(row_elements));
 }
 
+namespace {
+
+// The length of the valid UTF-8 character at the start of `s` (2 to 4 bytes; never an
+// ASCII byte), or 0 when it does not start with one.
+size_t Utf8CharLength(absl::string_view s) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char b0 = byte(0);
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xbf;  // the range of the second byte
+  if (b0 >= 0xc2 && b0 <= 0xdf) {
+    n = 2;
+  } else if (b0 >= 0xe0 && b0 <= 0xef) {
+    n = 3;
+    if (b0 == 0xe0) lo = 0xa0;  // overlong
+    if (b0 == 0xed) hi = 0x9f;  // surrogates
+  } else if (b0 >= 0xf0 && b0 <= 0xf4) {
+    n = 4;
+    if (b0 == 0xf0) lo = 0x90;  // overlong
+    if (b0 == 0xf4) hi = 0x8f;  // above U+10FFFF
+  } else {
+    return 0;
+  }
+  if (s.size() < n || byte(1) < lo || byte(1) > hi) return 0;
+  for (size_t i = 2; i < n; ++i) {
+    if (byte(i) < 0x80 || byte(i) > 0xbf) return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
+std::string EscapeText(absl::string_view text, size_t max_bytes) {
+  std::string out;
+  out.reserve(std::min(text.size(), max_bytes));
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    char buf[8];
+    absl::string_view unit;
+    size_t consumed = 1;
+    if (c == '\n') {
+      unit = "\\n";
+    } else if (c == '\r') {
+      unit = "\\r";
+    } else if (c == '\t') {
+      unit = "\\t";
+    } else if (c == '\\') {
+      unit = "\\\\";
+    } else if (c >= 0x20 && c < 0x7f) {
+      unit = text.substr(i, 1);
+    } else if (size_t n = c >= 0x80 ? Utf8CharLength(text.substr(i)) : 0; n > 0) {
+      unit = text.substr(i, n);
+      consumed = n;
+    } else {
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      unit = absl::string_view(buf, 4);
+    }
+    if (out.size() + unit.size() > max_bytes) {
+      // Cut at a whole unit, leaving room to say how much was left out.
+      const std::string tail = absl::StrCat("... (cut; ", text.size(), " bytes in all)");
+      while (!out.empty() && out.size() + tail.size() > max_bytes) {
+        // Drop whole characters: continuation bytes first, then the lead byte.
+        while (!out.empty() && (static_cast<unsigned char>(out.back()) & 0xc0) == 0x80) {
+          out.pop_back();
+        }
+        if (!out.empty()) out.pop_back();
+      }
+      out += tail;
+      return out;
+    }
+    out.append(unit.data(), unit.size());
+    i += consumed;
+  }
+  return out;
+}
+
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), EscapeText(status.message()));
 }
 
 }  // namespace kvcm::server

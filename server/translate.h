@@ -56,6 +56,17 @@ absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,
                                               absl::string_view bytes, kernels::ScoreDtype dtype,
                                               std::vector<uint32_t>* aligned);
 
+// The most bytes of an error message a client gets (a status, or a Decision's message):
+// gRPC carries a status in the response's metadata, which has a size limit.
+inline constexpr size_t kMaxErrorMessageBytes = 1024;
+
+// `text` made safe to log or to return: newlines, carriage returns and tabs as \n, \r and
+// \t, a backslash as \\, other control bytes, DEL and bytes that are not valid UTF-8 as
+// \xNN (so an id cannot forge a log line, nor make a message that does not serialize);
+// cut at a whole character to at most `max_bytes` bytes, saying how long it was.
+std::string EscapeText(absl::string_view text, size_t max_bytes = kMaxErrorMessageBytes);
+
+// The status as the client gets it: its message escaped and bounded (EscapeText).
 grpc::Status ToGrpc(const absl::Status& status);
 
 }  // namespace kvcm::server

@@ -48,6 +48,7 @@ REJECTIONS = [
     ("port as a string", ["--set-string", "ports.grpc=50051"], "ports.grpc"),
     ("max_sequences not a number", ["--set", "daemon.maxSequences=many"], "daemon.maxSequences"),
     ("max_sequences zero", ["--set", "daemon.maxSequences=0"], "daemon.maxSequences"),
+    ("memory_limit_bytes zero", ["--set", "daemon.memoryLimitBytes=0"], "daemon.memoryLimitBytes"),
     ("pool_memory_bytes negative", ["--set", "daemon.poolMemoryBytes=-5"], "daemon.poolMemoryBytes"),
     ("tp_ranks zero", ["--set", "daemon.tpRanks=0"], "daemon.tpRanks"),
     ("unknown kv dtype", ["--set", "daemon.kvDtype=int8"], "daemon.kvDtype"),
@@ -104,7 +105,9 @@ def expected_args(v):
                       ("poolMemoryBytes", "pool_memory_bytes"), ("tpRanks", "tp_ranks"),
                       ("kvLayers", "kv_layers"), ("kvHeads", "kv_heads"), ("kvHeadDim", "kv_head_dim"),
                       ("kvTokensPerBlock", "kv_tokens_per_block"), ("kvDtype", "kv_dtype"),
-                      ("kvSharedMemory", "kv_shared_memory")]:
+                      ("kvSharedMemory", "kv_shared_memory"),
+                      ("maxSequenceTokens", "max_sequence_tokens"),
+                      ("memoryLimitBytes", "memory_limit_bytes")]:
         if d.get(key) is not None:
             value = str(d[key]).lower() if isinstance(d[key], bool) else d[key]
             args.append(f"--{flag}={value}")

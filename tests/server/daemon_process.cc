@@ -12,7 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -95,6 +98,19 @@ std::string DaemonProcess::Log() const {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// A process's resident memory, from /proc/<pid>/status; -1 when unreadable.
+int64_t ResidentBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!absl::StartsWith(line, "VmRSS:")) continue;
+    std::vector<absl::string_view> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    int64_t kib = 0;
+    if (fields.size() >= 2 && absl::SimpleAtoi(fields[1], &kib)) return kib * 1024;
+  }
+  return -1;
 }
 
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path) {

@@ -42,6 +42,9 @@ class DaemonProcess {
   std::string metrics_address_;
 };
 
+// A process's resident memory, from /proc/<pid>/status; -1 when unreadable.
+int64_t ResidentBytes(pid_t pid);
+
 // GET http://address/path; the body, or an error.
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);
 

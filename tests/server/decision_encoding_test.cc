@@ -94,8 +94,8 @@ TEST(DecisionEncodingTranslation, TheSequenceRemembersItsEncodingAndReportsIt) {
     ASSERT_TRUE((*s)->Step(1, nullptr, &d).ok());
     EXPECT_EQ(d.encoding, e);  // stamped on every decision
 
-    SequenceSlot slot(*std::move(s), 1, kernels::ScoreDtype::kFloat32, std::nullopt, nullptr,
-                      absl::Now());
+    SequenceSlot slot(*std::move(s), 1, kernels::ScoreDtype::kFloat32, std::nullopt,
+                      SlotLimits{}, /*charged_bytes=*/0, absl::Now());
     const SequenceInfo info = slot.Peek();
     EXPECT_EQ(info.decision_encoding, e);
     v1::SequenceState state;

@@ -34,6 +34,7 @@ namespace {
 namespace v1 = ::kvcache::v1;
 using ::kvcm::testing::DaemonProcess;
 using ::kvcm::testing::MetricValue;
+using ::kvcm::testing::ResidentBytes;
 using ::kvcm::testing::Scores;
 using ::testing::HasSubstr;
 
@@ -371,19 +372,6 @@ TEST_F(StepPathTest, WithoutAllowShmScoresRegionsAndReferencesAreRefused) {
 
 // ---------------------------------------------------------------------------------------
 // Bounded memory
-
-// The daemon's resident memory, from /proc/<pid>/status; -1 when unreadable.
-int64_t ResidentBytes(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!absl::StartsWith(line, "VmRSS:")) continue;
-    std::vector<absl::string_view> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    int64_t kib = 0;
-    if (fields.size() >= 2 && absl::SimpleAtoi(fields[1], &kib)) return kib * 1024;
-  }
-  return -1;
-}
 
 // What a stream that writes batches and never reads a reply achieved: how many writes
 // went through before they stopped (or all did), and the daemon's largest VmRSS seen.

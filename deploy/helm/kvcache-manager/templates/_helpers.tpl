@@ -87,7 +87,9 @@ app.kubernetes.io/part-of: kvcache-manager
   (list "kv_head_dim" $d.kvHeadDim)
   (list "kv_tokens_per_block" $d.kvTokensPerBlock)
   (list "kv_dtype" $d.kvDtype)
-  (list "kv_shared_memory" $d.kvSharedMemory) }}
+  (list "kv_shared_memory" $d.kvSharedMemory)
+  (list "max_sequence_tokens" $d.maxSequenceTokens)
+  (list "memory_limit_bytes" $d.memoryLimitBytes) }}
 {{- range $flags }}
 {{- $value := index . 1 }}
 {{- if not (kindIs "invalid" $value) }}
