@@ -1,6 +1,7 @@
 #include "clients/loadgen/loadgen.h"
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <random>
 #include <thread>
@@ -391,7 +392,13 @@ absl::StatusOr<LoadResult> RunAgainstDaemon(const LoadOptions& o) {
 }
 
 absl::StatusOr<LoadResult> RunEmbedded(const LoadOptions& o) {
-  SequenceTable table;
+  // The in-process run measures the engine's steady step, millions of steps per sequence
+  // in a few seconds: no lifetime token cap (a daemon's --max_sequence_tokens) or memory
+  // limit applies; the budget bounds each sequence's memory anyway.
+  SequenceTableOptions options;
+  options.max_sequence_tokens = std::numeric_limits<int64_t>::max();
+  options.memory_limit_bytes = std::numeric_limits<int64_t>::max();
+  SequenceTable table(options);
   return Run(o, "embedded", [&](const Inputs& in) {
     return std::make_unique<EmbeddedRunner>(o, in, &table);
   });
