@@ -162,7 +162,8 @@ grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
 grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepStream(
     grpc::CallbackServerContext* /*context*/) {
   auto* reactor = new StepStreamReactor(this, &processor_, metrics_,
-                                        options_.max_inflight_batches, /*tenant=*/"");
+                                        options_.max_inflight_batches, /*tenant=*/"",
+                                        options_.stream_idle_timeout);
   grpc::Status refusal;
   {
     absl::MutexLock lock(&mu_);

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,7 +23,7 @@
 namespace kvcm::testing {
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
-    const std::vector<std::string>& extra_flags) {
+    const std::vector<std::string>& extra_flags, int64_t fd_limit) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
   char pattern[] = "/tmp/kvcached_test_XXXXXX";
   if (mkdtemp(pattern) == nullptr) return absl::InternalError("mkdtemp failed");
@@ -37,6 +38,10 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   if (d->pid_ == 0) {
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 2);
+    if (fd_limit > 0) {
+      const rlimit limit = {static_cast<rlim_t>(fd_limit), static_cast<rlim_t>(fd_limit)};
+      if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(126);
+    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,8 +19,9 @@ namespace kvcm::testing {
 class DaemonProcess {
  public:
   // Starts build/bin/kvcached with `extra_flags` and waits until its port file appears.
+  // `fd_limit` > 0: the daemon runs with RLIMIT_NOFILE at that, soft and hard.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
-      const std::vector<std::string>& extra_flags = {});
+      const std::vector<std::string>& extra_flags = {}, int64_t fd_limit = 0);
   ~DaemonProcess();  // SIGKILL if still running
 
   const std::string& grpc_address() const { return grpc_address_; }
