@@ -104,7 +104,10 @@ def expected_args(v):
                       ("poolMemoryBytes", "pool_memory_bytes"), ("tpRanks", "tp_ranks"),
                       ("kvLayers", "kv_layers"), ("kvHeads", "kv_heads"), ("kvHeadDim", "kv_head_dim"),
                       ("kvTokensPerBlock", "kv_tokens_per_block"), ("kvDtype", "kv_dtype"),
-                      ("kvSharedMemory", "kv_shared_memory")]:
+                      ("kvSharedMemory", "kv_shared_memory"),
+                      ("streamIdleTimeout", "stream_idle_timeout"),
+                      ("maxConnections", "max_connections"),
+                      ("listenerProbeInterval", "listener_probe_interval")]:
         if d.get(key) is not None:
             value = str(d[key]).lower() if isinstance(d[key], bool) else d[key]
             args.append(f"--{flag}={value}")

@@ -87,7 +87,10 @@ app.kubernetes.io/part-of: kvcache-manager
   (list "kv_head_dim" $d.kvHeadDim)
   (list "kv_tokens_per_block" $d.kvTokensPerBlock)
   (list "kv_dtype" $d.kvDtype)
-  (list "kv_shared_memory" $d.kvSharedMemory) }}
+  (list "kv_shared_memory" $d.kvSharedMemory)
+  (list "stream_idle_timeout" $d.streamIdleTimeout)
+  (list "max_connections" $d.maxConnections)
+  (list "listener_probe_interval" $d.listenerProbeInterval) }}
 {{- range $flags }}
 {{- $value := index . 1 }}
 {{- if not (kindIs "invalid" $value) }}
