@@ -102,6 +102,22 @@ std::string DaemonProcess::Log() const {
   return ss.str();
 }
 
+int HalfOpenConnection(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) return -1;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path) {
   const std::vector<std::string> host_port = absl::StrSplit(address, ':');
   int port = 0;

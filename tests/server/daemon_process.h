@@ -44,6 +44,10 @@ class DaemonProcess {
   std::string metrics_address_;
 };
 
+// A socket connected to `address` (IPv4 host:port) that the caller never writes to, as a
+// half-open client; -1 on failure. The caller closes it.
+int HalfOpenConnection(const std::string& address);
+
 // GET http://address/path; the body, or an error.
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);
 

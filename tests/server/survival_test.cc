@@ -1,10 +1,7 @@
 // Process-level survival of kvcached (docs/RELIABILITY.md, "Process survival"): the KV
 // pools' shared memory never outlives the daemon, idle streams give their slot back, and
 // the listener survives running out of file descriptors.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -13,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -28,6 +24,7 @@ namespace {
 namespace v1 = ::kvcache::v1;
 using ::kvcm::testing::DaemonProcess;
 using ::kvcm::testing::DaemonTest;
+using ::kvcm::testing::HalfOpenConnection;
 using ::kvcm::testing::Scores;
 using ::testing::HasSubstr;
 
@@ -169,23 +166,6 @@ TEST_F(StreamIdleTest, ANegativeTimeoutIsRefusedAtStart) {
 }
 
 namespace health = ::grpc::health::v1;
-
-// A socket connected to the daemon's gRPC port that never sends a byte (-1 on failure).
-int HalfOpenConnection(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (!absl::SimpleAtoi(address.substr(colon + 1), &port)) return -1;
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
 
 // A channel on a connection of its own (channels share connections by default).
 std::shared_ptr<grpc::Channel> OwnChannel(const std::string& address) {
