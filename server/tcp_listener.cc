@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -77,32 +78,54 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Bind(const std::string
         absl::StrCat("listen address '", address, "': ", gai_strerror(error)));
   }
   std::string last_error = "no address";
-  int fd = -1;
+  std::vector<int> fds;
+  int bound_port = 0;
+  const bool several = resolved->ai_next != nullptr;
   for (const addrinfo* a = resolved; a != nullptr; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) {
       last_error = std::strerror(errno);
       continue;
     }
     const int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, SOMAXCONN) == 0) break;
-    last_error = std::strerror(errno);
-    close(fd);
-    fd = -1;
+    // With several addresses, each socket takes only its own family (a dual-stack [::]
+    // would collide with 0.0.0.0), and the later ones the first one's port.
+    if (a->ai_family == AF_INET6 && several) {
+      setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+    }
+    sockaddr_storage address_with_port{};
+    std::memcpy(&address_with_port, a->ai_addr, a->ai_addrlen);
+    if (!fds.empty()) {
+      const uint16_t port_bytes = htons(static_cast<uint16_t>(bound_port));
+      if (a->ai_family == AF_INET6) {
+        reinterpret_cast<sockaddr_in6*>(&address_with_port)->sin6_port = port_bytes;
+      } else {
+        reinterpret_cast<sockaddr_in*>(&address_with_port)->sin_port = port_bytes;
+      }
+    }
+    if (bind(fd, reinterpret_cast<const sockaddr*>(&address_with_port), a->ai_addrlen) != 0 ||
+        listen(fd, SOMAXCONN) != 0) {
+      last_error = std::strerror(errno);
+      close(fd);
+      continue;
+    }
+    if (fds.empty()) {
+      sockaddr_storage bound{};
+      socklen_t length = sizeof(bound);
+      getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length);
+      bound_port = bound.ss_family == AF_INET6
+                       ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                       : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+    }
+    fds.push_back(fd);
   }
   freeaddrinfo(resolved);
-  if (fd < 0) {
+  if (fds.empty()) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ": ", last_error));
   }
-  sockaddr_storage bound{};
-  socklen_t length = sizeof(bound);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length);
-  const int bound_port =
-      bound.ss_family == AF_INET6
-          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-          : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
-  auto listener = std::unique_ptr<TcpListener>(new TcpListener(fd, bound_port, max_connections));
+  auto listener =
+      std::unique_ptr<TcpListener>(new TcpListener(std::move(fds), bound_port, max_connections));
   if (listener->wake_fd_ < 0 || listener->spare_fd_ < 0) {
     return absl::UnavailableError(absl::StrCat("listener on ", address, ": ",
                                                std::strerror(errno)));
@@ -110,8 +133,8 @@ absl::StatusOr<std::unique_ptr<TcpListener>> TcpListener::Bind(const std::string
   return listener;
 }
 
-TcpListener::TcpListener(int listen_fd, int port, int64_t max_connections)
-    : listen_fd_(listen_fd),
+TcpListener::TcpListener(std::vector<int> listen_fds, int port, int64_t max_connections)
+    : listen_fds_(std::move(listen_fds)),
       port_(port),
       max_connections_(max_connections),
       wake_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
@@ -119,7 +142,7 @@ TcpListener::TcpListener(int listen_fd, int port, int64_t max_connections)
 
 TcpListener::~TcpListener() {
   Stop();
-  close(listen_fd_);
+  for (const int fd : listen_fds_) close(fd);
   if (wake_fd_ >= 0) close(wake_fd_);
   if (spare_fd_ >= 0) close(spare_fd_);
 }
@@ -136,30 +159,36 @@ void TcpListener::Stop() {
   if (thread_.joinable()) thread_.join();
   // Closing the socket makes the kernel refuse new connections at once; what waited in
   // the backlog is reset.
-  shutdown(listen_fd_, SHUT_RDWR);
+  for (const int fd : listen_fds_) shutdown(fd, SHUT_RDWR);
 }
 
 void TcpListener::AcceptLoop() {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  std::vector<pollfd> fds;
+  for (const int fd : listen_fds_) fds.push_back({fd, POLLIN, 0});
+  fds.push_back({wake_fd_, POLLIN, 0});  // last
   int wait_ms = -1;
   while (!stopped_.load()) {
-    fds[0].revents = fds[1].revents = 0;
-    const int ready = poll(fds, 2, wait_ms);
+    for (pollfd& p : fds) p.revents = 0;
+    const int ready = poll(fds.data(), fds.size(), wait_ms);
     if (ready < 0 && errno != EINTR) {
       std::fprintf(stderr, "kvcached: listener: poll: %s\n", std::strerror(errno));
       absl::SleepFor(absl::Milliseconds(100));
       continue;
     }
-    if ((fds[1].revents & POLLIN) != 0 || stopped_.load()) break;
+    if ((fds.back().revents & POLLIN) != 0 || stopped_.load()) break;
     // Out of descriptors with no spare: retry every 100 ms rather than spin on the
     // readable backlog (the waiting connections stay there meanwhile).
-    wait_ms = AcceptPending() ? -1 : 100;
+    bool all_accepted = true;
+    for (size_t i = 0; i + 1 < fds.size(); ++i) {
+      if (fds[i].revents != 0 || wait_ms >= 0) all_accepted &= AcceptPending(fds[i].fd);
+    }
+    wait_ms = all_accepted ? -1 : 100;
   }
 }
 
-bool TcpListener::AcceptPending() {
+bool TcpListener::AcceptPending(int listen_fd) {
   for (;;) {
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       switch (errno) {
         case EAGAIN:
@@ -174,7 +203,7 @@ bool TcpListener::AcceptPending() {
         case ENOMEM: {
           if (spare_fd_ < 0 && (spare_fd_ = OpenSpare()) < 0) return false;
           close(spare_fd_);
-          const int shed = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+          const int shed = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
           if (shed >= 0) close(shed);
           spare_fd_ = OpenSpare();
           if (shed < 0) return spare_fd_ >= 0;
@@ -196,7 +225,7 @@ bool TcpListener::AcceptPending() {
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters connection;
-    connection.listener_fd = listen_fd_;
+    connection.listener_fd = listen_fd;
     connection.fd = fd;
     acceptor_->HandleNewConnection(&connection);  // gRPC owns fd from here
   }

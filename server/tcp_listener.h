@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -32,7 +33,9 @@ namespace kvcm::server {
 
 class TcpListener {
  public:
-  // Binds "host:port" ("[v6]:port"; port 0: a free port) and listens. `max_connections`:
+  // Binds "host:port" ("[v6]:port"; port 0: a free port) on every address the host
+  // resolves to (as gRPC does: "localhost" is 127.0.0.1 and ::1), all on the port the
+  // first one got, and listens. `max_connections`:
   // the most connections open at once (0: no limit). One connection whose local port was
   // announced with ExpectProbe is admitted past the limit. INVALID_ARGUMENT for a bad
   // address, UNAVAILABLE when the bind fails.
@@ -60,19 +63,19 @@ class TcpListener {
   int64_t refused() const { return refused_.load(); }
 
  private:
-  TcpListener(int listen_fd, int port, int64_t max_connections);
+  TcpListener(std::vector<int> listen_fds, int port, int64_t max_connections);
 
   void AcceptLoop();
-  // Accepts what the backlog holds. False when out of descriptors with no spare to shed
-  // with (the caller waits a little before trying again).
-  bool AcceptPending();
+  // Accepts what the backlog of `listen_fd` holds. False when out of descriptors with no
+  // spare to shed with (the caller waits a little before trying again).
+  bool AcceptPending(int listen_fd);
   // Whether connection `fd` may be handed to gRPC; records it if so.
   bool Admit(int fd);
   // Forgets the connections whose descriptor gRPC has closed.
   void Prune();
   void LogRefusal(const char* why);
 
-  const int listen_fd_;
+  const std::vector<int> listen_fds_;
   const int port_;
   const int64_t max_connections_;
   int wake_fd_ = -1;   // an eventfd: Stop wakes the accept thread through it

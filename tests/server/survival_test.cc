@@ -222,6 +222,17 @@ TEST(ListenerTest, ConnectionsPastTheLimitAreRefusedUntilOneCloses) {
   EXPECT_EQ(Health(first, absl::Seconds(10)), health::HealthCheckResponse::SERVING);
 }
 
+// A host name is served on every address it resolves to, as gRPC's own listener does:
+// "localhost" on 127.0.0.1 whatever getaddrinfo lists first.
+TEST(ListenerTest, AHostNameIsServedOnEachOfItsAddresses) {
+  auto daemon = DaemonProcess::Start({"--listen=localhost:0"});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string address = (*daemon)->grpc_address();
+  ASSERT_THAT(address, ::testing::StartsWith("localhost:"));
+  const std::string ipv4 = "127.0.0.1" + address.substr(address.rfind(':'));
+  EXPECT_EQ(Health(OwnChannel(ipv4), absl::Seconds(10)), health::HealthCheckResponse::SERVING);
+}
+
 // With the descriptors exhausted by connections that never speak, health (asked over a
 // connection opened before) turns NOT_SERVING; once they close, the listener accepts
 // fresh connections again and health is SERVING. gRPC's own listener stopped accepting
