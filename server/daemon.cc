@@ -273,9 +273,11 @@ void Daemon::Drain(absl::Duration deadline) {
   if (prober_.joinable()) prober_.join();
   if (server_ != nullptr) {  // null when Start failed before serving
     health_->Shutdown();  // NOT_SERVING, and watchers' calls end
+    // New connections are refused from now on, as gRPC's own listener would refuse them
+    // on Shutdown; stopped first so that it adds nothing between the steps below.
+    if (tcp_listener_ != nullptr) tcp_listener_->Stop();
     metrics_->SetServing(false);
     service_->StartDraining();
-    if (tcp_listener_ != nullptr) tcp_listener_->Stop();  // as gRPC's listener would
     server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
     server_->Wait();
   }
