@@ -34,6 +34,13 @@ std::vector<BlockPoolUsage> KvPools::Usage() const {
   return usage;
 }
 
+void KvPools::UnlinkSharedMemory() {
+  for (const auto& pool : pools_) {
+    const MemoryExport& exported = pool->memory_export();
+    if (exported.kind == MemoryExport::Kind::kPosixShm) kvcm::UnlinkSharedMemory(exported.shm_name);
+  }
+}
+
 absl::StatusOr<SequenceKv> SequenceKv::Lease(KvPools& pools, int64_t tokens,
                                              absl::string_view sequence_id) {
   std::vector<BlockLease> leases;

@@ -40,6 +40,9 @@ class KvPools {
   BlockPool& pool(int32_t rank) { return *pools_[static_cast<size_t>(rank)]; }
   const BlockPool& pool(int32_t rank) const { return *pools_[static_cast<size_t>(rank)]; }
   std::vector<BlockPoolUsage> Usage() const;
+  // Removes the names of the pools in POSIX shared memory now (UnlinkSharedMemory of
+  // kv_storage.h): for an exit that skips destructors. The memory stays mapped.
+  void UnlinkSharedMemory();
 
  private:
   std::vector<std::unique_ptr<BlockPool>> pools_;

@@ -14,9 +14,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/kv_compaction.h"
 
 namespace kvcm {
@@ -63,7 +66,8 @@ class KvStorage {
 struct HostStorageOptions {
   // When set, the memory is a POSIX shared-memory object of this name ("/kvcm-rank0",
   // one slash then up to 254 characters without '/'), created exclusively and unlinked
-  // when the storage is destroyed. Empty: private anonymous memory.
+  // when the storage is destroyed (or before: UnlinkSharedMemory). The storage holds a
+  // shared flock on it while it lives. Empty: private anonymous memory.
   std::string shm_name;
 };
 
@@ -72,6 +76,21 @@ struct HostStorageOptions {
 // INTERNAL (other system errors, with strerror's text).
 absl::StatusOr<std::unique_ptr<KvStorage>> NewHostKvStorage(int64_t bytes,
                                                             const HostStorageOptions& options);
+
+// Removes the name of a shared-memory object this process created ("/name"): workers can
+// no longer open it, while every existing mapping (ours, theirs) stays valid. For exits
+// that skip destructors. Idempotent.
+void UnlinkSharedMemory(const std::string& shm_name);
+
+// Removes the names of every shared-memory storage of this process still alive. Only
+// async-signal-safe calls: for a fatal-signal handler, which then re-raises the signal.
+void UnlinkSharedMemoryAfterCrash();
+
+// Removes the shared-memory objects of /dev/shm whose name (without the slash) `ours`
+// accepts, that belong to this user and that no live process holds (a NewHostKvStorage
+// owner holds a flock until it dies, SIGKILL included). Returns the names removed.
+std::vector<std::string> RemoveStaleSharedMemory(
+    absl::FunctionRef<bool(absl::string_view name)> ours);
 
 }  // namespace kvcm
 

@@ -1,15 +1,20 @@
 #include "server/daemon.h"
 
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <cstdio>
-#include <thread>
 #include <exception>
+#include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -22,6 +27,7 @@
 #include "cache_manager/status_macros.h"
 #include "server/health_service.h"
 #include "server/kvcache_service.h"
+#include "server/tcp_listener.h"
 #include "server/translate.h"
 
 namespace kvcm::server {
@@ -37,6 +43,27 @@ std::string WithPort(const std::string& address, int port) {
 
 int Millis(absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); }
 
+// The shared-memory name of rank r's pool: /kvcached-<pid>-rank<r>. The pid keeps
+// instances on one node apart, and tells the start-up sweep whether the owner is alive.
+std::string PoolShmName(int32_t rank) { return absl::StrCat("/kvcached-", getpid(), "-rank", rank); }
+
+// Whether `name` (a /dev/shm entry, without the slash) is "kvcached-<pid>-rank<r>" of a
+// process that no longer exists. RemoveStaleSharedMemory also requires that no process
+// holds the object's lock: the pid test alone would misjudge an owner in another pid
+// namespace, the lock test alone a kvcached older than the lock.
+bool IsDeadInstancesPool(absl::string_view name) {
+  if (!absl::ConsumePrefix(&name, "kvcached-")) return false;
+  const size_t dash = name.find("-rank");
+  if (dash == absl::string_view::npos) return false;
+  int64_t pid = 0, rank = 0;
+  if (!absl::SimpleAtoi(name.substr(0, dash), &pid) ||
+      !absl::SimpleAtoi(name.substr(dash + 5), &rank) || pid <= 0 || pid > INT32_MAX ||
+      rank < 0) {
+    return false;
+  }
+  return kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
 // The pool of each rank: host memory (shared, so that workers can map it, unless turned
 // off) or device memory of the GPU with the rank's number.
 KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
@@ -46,7 +73,7 @@ KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
 #endif
     HostStorageOptions host;
     if (options.kv_shared_memory) {
-      host.shm_name = absl::StrCat("/kvcached-", getpid(), "-rank", pool.rank);
+      host.shm_name = PoolShmName(pool.rank);
     }
     return BlockPool::CreateHost(pool, host);
   };
@@ -125,6 +152,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
 #endif
   if (options.pool_memory_bytes > 0) {
+    if (options.backend == KvBackend::kHost && options.kv_shared_memory) {
+      // A SIGKILLed instance could not unlink its pools; without this they would hold
+      // node memory until reboot. A restore that re-attaches pools (ServerOptions::
+      // keep_kv_pools_on_exit) must do so before this: the sweep skips objects a live
+      // process holds, this one included.
+      for (const std::string& name : RemoveStaleSharedMemory(IsDeadInstancesPool)) {
+        std::fprintf(stderr, "kvcached: removed %s, a KV pool its dead kvcached left behind\n",
+                     name.c_str());
+      }
+    }
     ASSIGN_OR_RETURN(d->pools_, KvPools::Create(options.tp_ranks, options.kv_layout,
                                                 options.pool_memory_bytes,
                                                 PoolFactory(options)));
@@ -192,7 +229,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
+  if (absl::StartsWith(options.listen, "unix:")) {
+    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  } else {
+    // Our own accept loop (server/tcp_listener.h): a connection limit, and no wedge after
+    // an EMFILE.
+    ASSIGN_OR_RETURN(d->tcp_listener_, TcpListener::Bind(options.listen, options.max_connections));
+    acceptor = builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        grpc::InsecureServerCredentials());
+  }
   builder.RegisterService(d->service_.get());
   builder.RegisterService(d->health_.get());
   // The reflection service of gRPC 1.51 is synchronous: its pollers notice a shutdown only
@@ -213,6 +260,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20);
   builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 8 << 20);
   d->server_ = builder.BuildAndStart();
+  if (d->tcp_listener_ != nullptr && d->server_ != nullptr) {
+    port = d->tcp_listener_->port();
+    d->tcp_listener_->Start(std::move(acceptor));
+  }
   if (d->server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
   }
@@ -220,7 +271,29 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   d->health_->SetServing(true);
   d->metrics_->SetServing(true);
   d->reclaimer_ = std::thread([daemon = d.get()] { daemon->ReclaimLoop(); });
+  if (options.listener_probe_interval > absl::ZeroDuration()) {
+    d->prober_ = std::thread([daemon = d.get()] { daemon->ProbeLoop(); });
+  }
   return d;
+}
+
+void Daemon::ProbeLoop() {
+  bool accepting = true;
+  while (!stop_prober_.WaitForNotificationWithTimeout(options_.listener_probe_interval)) {
+    const absl::Status probed =
+        ProbeListener(grpc_address_, options_.listener_probe_timeout, [this](int local_port) {
+          if (tcp_listener_ != nullptr) tcp_listener_->ExpectProbe(local_port);
+        });
+    if (probed.ok() == accepting) continue;
+    accepting = probed.ok();
+    if (accepting) {
+      std::fprintf(stderr, "kvcached: the listener accepts connections again: SERVING\n");
+    } else {
+      std::fprintf(stderr, "kvcached: the listener does not accept connections (%s): "
+                           "NOT_SERVING until it does\n", std::string(probed.message()).c_str());
+    }
+    health_->SetListenerAccepting(accepting);
+  }
 }
 
 void Daemon::ReclaimLoop() {
@@ -264,8 +337,13 @@ void Daemon::Drain(absl::Duration deadline) {
     if (drained_) return;
     drained_ = true;
   }
+  stop_prober_.Notify();
+  if (prober_.joinable()) prober_.join();
   if (server_ != nullptr) {  // null when Start failed before serving
     health_->Shutdown();  // NOT_SERVING, and watchers' calls end
+    // New connections are refused from now on, as gRPC's own listener would refuse them
+    // on Shutdown; stopped first so that it adds nothing between the steps below.
+    if (tcp_listener_ != nullptr) tcp_listener_->Stop();
     metrics_->SetServing(false);
     service_->StartDraining();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
@@ -274,6 +352,9 @@ void Daemon::Drain(absl::Duration deadline) {
   stop_reclaimer_.Notify();
   if (reclaimer_.joinable()) reclaimer_.join();
   StopEngine();
+  // kvcached's main exits without destructors after the drain, so the pools' names go
+  // here; the memory stays mapped until the process is gone.
+  if (pools_ != nullptr && !options_.keep_kv_pools_on_exit) pools_->UnlinkSharedMemory();
 }
 
 void Daemon::StopEngine() {

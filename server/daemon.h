@@ -29,6 +29,7 @@ namespace kvcm::server {
 
 class HealthService;
 class KvCacheService;
+class TcpListener;
 
 class Daemon {
  public:
@@ -56,6 +57,8 @@ class Daemon {
  private:
   explicit Daemon(const ServerOptions& options);
   void ReclaimLoop();
+  // Probes the listener every listener_probe_interval and tells health what it found.
+  void ProbeLoop();
   // Runs what the engine threads still hold and answers every batch left waiting for
   // tensor-parallel ranks, so that no stream outlives the service. After the server
   // has stopped.
@@ -74,12 +77,15 @@ class Daemon {
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<HealthService> health_;
+  std::unique_ptr<TcpListener> tcp_listener_;  // TCP listen addresses; before server_
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   std::string metrics_address_;
   std::string engine_name_ = "cpu";
   absl::Notification stop_reclaimer_;
   std::thread reclaimer_;
+  absl::Notification stop_prober_;
+  std::thread prober_;
   absl::Mutex drain_mu_;
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
 };

@@ -217,7 +217,8 @@ grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::StepStream(
     grpc::CallbackServerContext* /*context*/) {
   auto* reactor = new StepStreamReactor(this, &processor_, metrics_,
-                                        options_.max_inflight_batches, /*tenant=*/"");
+                                        options_.max_inflight_batches, /*tenant=*/"",
+                                        options_.stream_idle_timeout);
   grpc::Status refusal;
   {
     absl::MutexLock lock(&mu_);

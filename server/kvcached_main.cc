@@ -2,10 +2,14 @@
 // steps to it and receive the tokens to evict (see proto/kvcache/v1/kvcache.proto).
 //
 // SIGTERM or SIGINT: health goes NOT_SERVING, in-flight steps finish, the process exits 0
-// within --drain_deadline.
+// within --drain_deadline. Every exit but SIGKILL removes the KV pools' shared memory
+// (docs/RELIABILITY.md); the next start removes what a SIGKILLed instance left.
 #include <malloc.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -16,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "cache_manager/kv_storage.h"
 #include "server/daemon.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -81,12 +86,64 @@ ABSL_FLAG(int64_t, memory_limit_bytes, int64_t{8} << 30,
           "bytes the daemon holds for requests, all together: every sequence's engine "
           "state, pending tensor-parallel partial sums and reply buffers; an open or step "
           "past it is refused (RESOURCE_EXHAUSTED)");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Minutes(10),
+          "end a step stream that received no batch for this long while every batch it "
+          "sent was answered (UNAVAILABLE; its sequences stay open), so that it gives back "
+          "its --max_streams slot (0: never)");
+ABSL_FLAG(int64_t, max_connections, 0,
+          "most gRPC connections open at once on a TCP --listen; past it a new connection is "
+          "closed as soon as accepted (0: the file-descriptor limit less 256, or half of it "
+          "below 512)");
+ABSL_FLAG(absl::Duration, listener_probe_interval, absl::Seconds(10),
+          "how often kvcached probes its own listener over a fresh connection; health says "
+          "NOT_SERVING while the probe fails, so a liveness probe restarts a wedged daemon "
+          "(0: no probe)");
+ABSL_FLAG(absl::Duration, listener_probe_timeout, absl::Seconds(5),
+          "how long one self-probe of the listener may take");
 
 #ifndef KVCM_VERSION
 #define KVCM_VERSION "0.0.0"
 #endif
 
 namespace {
+
+// Descriptors kept out of --max_connections's default: pools, score regions, the metrics
+// server's connections, gRPC's own (half of a limit below 512).
+constexpr int64_t kReservedFds = 256;
+
+// Raises the soft RLIMIT_NOFILE to the hard one (every connection costs a descriptor) and
+// returns the soft limit in force.
+int64_t RaiseFdLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
+  const rlim_t soft = limit.rlim_cur;
+  if (limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &limit) != 0) limit.rlim_cur = soft;
+  }
+  std::fprintf(stderr, "kvcached: file descriptors: soft limit %llu (was %llu), hard limit %llu\n",
+               static_cast<unsigned long long>(limit.rlim_cur),
+               static_cast<unsigned long long>(soft),
+               static_cast<unsigned long long>(limit.rlim_max));
+  return limit.rlim_cur == RLIM_INFINITY ? INT64_MAX : static_cast<int64_t>(limit.rlim_cur);
+}
+
+// A crash (a failed CHECK aborts, a bad pointer faults) must not leave the KV pools in
+// /dev/shm: remove their names, then die of the same signal as before.
+void UnlinkPoolsAndDie(int signal_number) {
+  kvcm::UnlinkSharedMemoryAfterCrash();
+  raise(signal_number);  // SA_RESETHAND restored the default action
+}
+
+void InstallCrashCleanup() {
+  struct sigaction action{};
+  action.sa_handler = UnlinkPoolsAndDie;
+  action.sa_flags = SA_RESETHAND | SA_NODEFER;
+  sigemptyset(&action.sa_mask);
+  for (const int signal_number : {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL, SIGQUIT}) {
+    sigaction(signal_number, &action, nullptr);
+  }
+}
 
 bool WritePortFile(const std::string& path, const kvcm::server::Daemon& daemon) {
   const std::string tmp = path + ".tmp";
@@ -123,6 +180,7 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  InstallCrashCleanup();
 
   kvcm::server::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
@@ -174,6 +232,32 @@ int main(int argc, char** argv) {
                  "kvcached: --kv_events_ring must be 0 to 16777216, "
                  "--kv_events_max_subscribers >= 1\n");
     return 2;
+  }
+  options.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  options.listener_probe_interval = absl::GetFlag(FLAGS_listener_probe_interval);
+  options.listener_probe_timeout = absl::GetFlag(FLAGS_listener_probe_timeout);
+  if (options.stream_idle_timeout < absl::ZeroDuration() ||
+      options.listener_probe_interval < absl::ZeroDuration() ||
+      options.listener_probe_timeout <= absl::ZeroDuration()) {
+    std::fprintf(stderr,
+                 "kvcached: --stream_idle_timeout and --listener_probe_interval must be >= 0, "
+                 "--listener_probe_timeout > 0\n");
+    return 2;
+  }
+  const int64_t fd_limit = RaiseFdLimit();
+  const int64_t fd_budget = std::max<int64_t>(fd_limit / 2, fd_limit - kReservedFds);
+  options.max_connections = absl::GetFlag(FLAGS_max_connections);
+  if (options.max_connections < 0) {
+    std::fprintf(stderr, "kvcached: --max_connections must be >= 0\n");
+    return 2;
+  }
+  if (options.max_connections == 0) options.max_connections = fd_budget;
+  if (options.max_connections > fd_budget) {
+    std::fprintf(stderr,
+                 "kvcached: warning: --max_connections=%lld exceeds the %lld descriptors the "
+                 "fd limit leaves for connections; past them connections are refused anyway\n",
+                 static_cast<long long>(options.max_connections),
+                 static_cast<long long>(fd_budget));
   }
   options.diagnostics_every = absl::GetFlag(FLAGS_diagnostics_every);
   options.diagnostics_sample = absl::GetFlag(FLAGS_diagnostics_sample);

@@ -86,6 +86,22 @@ struct ServerOptions {
   // sequence's engine state, pending tensor-parallel partial sums and reply buffers.
   int64_t max_sequence_tokens = int64_t{1} << 22;
   int64_t memory_limit_bytes = int64_t{8} << 30;
+  // Exits (the drain, a fatal signal) unlink the pools' shared memory. A snapshot that
+  // re-attaches the pools at the next start sets this on its SIGTERM drain so the names
+  // outlive the process. Not a flag: only such a feature may set it.
+  bool keep_kv_pools_on_exit = false;
+
+  // A StepStream that owes nothing and received no batch for this long is ended
+  // (UNAVAILABLE), freeing its max_streams slot; 0: never.
+  absl::Duration stream_idle_timeout = absl::Minutes(10);
+
+  // TCP listen addresses: the most connections open at once; past it a new one is closed
+  // as soon as accepted (0: no limit). Unix sockets have no limit (gRPC's own listener).
+  int64_t max_connections = 0;
+  // The self-probe of the listener over a fresh connection (health NOT_SERVING while it
+  // fails): how often, and how long one may take. 0 interval: no probe.
+  absl::Duration listener_probe_interval = absl::Seconds(10);
+  absl::Duration listener_probe_timeout = absl::Seconds(5);
 };
 
 }  // namespace kvcm::server

@@ -1,20 +1,23 @@
 #include "server/step_stream_reactor.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/kvcache_service.h"
 
 namespace kvcm::server {
 
 StepStreamReactor::StepStreamReactor(KvCacheService* service, StepBatchProcessor* processor,
                                      ServerMetrics* metrics, int32_t max_inflight,
-                                     std::string tenant)
+                                     std::string tenant, absl::Duration idle_timeout)
     : service_(service),
       processor_(processor),
       metrics_(metrics),
       max_inflight_(max_inflight),
-      tenant_(std::move(tenant)) {
+      tenant_(std::move(tenant)),
+      idle_timeout_(idle_timeout) {
   slots_.reserve(static_cast<size_t>(max_inflight));
   for (int32_t i = 0; i < max_inflight; ++i) slots_.push_back(std::make_unique<Slot>());
 }
@@ -33,8 +36,50 @@ void StepStreamReactor::Start(const grpc::Status& refusal) {
   {
     absl::MutexLock lock(&mu_);
     reading_ = true;
+    last_read_ = absl::Now();
+    if (idle_timeout_ > absl::ZeroDuration()) SetIdleAlarmLocked(last_read_ + idle_timeout_);
   }
   StartRead(&SlotAt(0).request_bytes);
+}
+
+void StepStreamReactor::SetIdleAlarmLocked(absl::Time deadline) {
+  // The alarm it replaces has fired: destroying it is safe (its callback holds its own
+  // reference) and setting a used Alarm again is not.
+  idle_alarm_ = std::make_unique<grpc::Alarm>();
+  idle_alarm_set_ = true;
+  idle_alarm_->Set(absl::ToChronoTime(deadline), [this](bool fired) { OnIdleAlarm(fired); });
+}
+
+void StepStreamReactor::OnIdleAlarm(bool fired) {
+  bool finish = false;
+  bool delete_now = false;
+  {
+    absl::MutexLock lock(&mu_);
+    idle_alarm_set_ = false;
+    const bool over = finished_ || cancelled_ || done_;
+    // Only the client's silence counts: a batch still in the engine or a reply not yet
+    // written is the daemon's to answer.
+    const bool owes_nothing = read_seq_ == written_seq_ && in_engine_ == 0 && !writing_;
+    const absl::Time idle_until = last_read_ + idle_timeout_;
+    if (fired && !over && owes_nothing && absl::Now() >= idle_until) {
+      finished_ = true;
+      finish = true;
+    } else if (!over) {
+      SetIdleAlarmLocked(std::max(idle_until, absl::Now() + absl::Milliseconds(100)));
+    }
+    delete_now = CanDeleteLocked();
+  }
+  if (delete_now) {
+    delete this;
+    return;
+  }
+  if (finish) {
+    Finish(grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat("step stream idle: no StepBatch for ", absl::FormatDuration(idle_timeout_),
+                     " (--stream_idle_timeout), so kvcached ended it to free its slot; the "
+                     "stream's sequences stay open: open a new stream to go on")));
+  }
 }
 
 StepStreamReactor::Slot* StepStreamReactor::TakeWriteLocked() {
@@ -108,6 +153,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
       slot = &SlotAt(read_seq_++);
       slot->decided = false;
       ++in_engine_;
+      last_read_ = absl::Now();
     }
   }
   if (slot == nullptr) {
@@ -136,7 +182,7 @@ void StepStreamReactor::BatchDone(PendingBatch* batch) {
     --in_engine_;
     to_write = TakeWriteLocked();
     if (to_write == nullptr) finish = TakeFinishLocked();
-    delete_now = done_ && in_engine_ == 0;
+    delete_now = CanDeleteLocked();
   }
   if (delete_now) {
     delete this;
@@ -185,7 +231,9 @@ void StepStreamReactor::OnDone() {
   {
     absl::MutexLock lock(&mu_);
     done_ = true;
-    delete_now = in_engine_ == 0;
+    // Its callback (another thread) runs soon and deletes the reactor if nothing else does.
+    if (idle_alarm_set_) idle_alarm_->Cancel();
+    delete_now = CanDeleteLocked();
   }
   if (delete_now) delete this;
 }

@@ -9,9 +9,15 @@
 // message that does not parse ends the stream with INVALID_ARGUMENT (once the batches read
 // before it are answered) instead of looking like the client's half-close.
 //
+// Idle streams: with an idle timeout, a stream that owes the client nothing (every batch
+// answered) and received no batch for that long is ended with UNAVAILABLE, which frees
+// its --max_streams slot; its sequences stay open for the next stream. A grpc::Alarm
+// checks it (gRPC's timer thread, no engine work).
+//
 // Lifetime: a batch of a tensor-parallel step may stay in the engine after the call has
 // ended (until its other ranks report, the join times out, or the sequence closes). The
-// reactor then outlives OnDone and deletes itself when its last batch comes back.
+// reactor then outlives OnDone and deletes itself when its last batch comes back and its
+// idle alarm has fired or been cancelled.
 #ifndef KVCM_SERVER_STEP_STREAM_REACTOR_H_
 #define KVCM_SERVER_STEP_STREAM_REACTOR_H_
 
@@ -23,6 +29,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"
@@ -36,7 +44,8 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
                                 public BatchCompletion {
  public:
   StepStreamReactor(KvCacheService* service, StepBatchProcessor* processor,
-                    ServerMetrics* metrics, int32_t max_inflight, std::string tenant);
+                    ServerMetrics* metrics, int32_t max_inflight, std::string tenant,
+                    absl::Duration idle_timeout = absl::ZeroDuration());  // 0: never
 
   // Starts reading, or ends the call at once with `refusal` when it is not OK.
   void Start(const grpc::Status& refusal);
@@ -70,12 +79,20 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
   std::optional<grpc::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After OnDone: deletes the reactor once no batch is in the engine.
   void MaybeDeleteLocked(bool* delete_now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether nothing is left to keep the reactor alive after OnDone.
+  bool CanDeleteLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return done_ && in_engine_ == 0 && !idle_alarm_set_;
+  }
+  // Sets a fresh idle alarm for `deadline` (an Alarm is never set twice).
+  void SetIdleAlarmLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnIdleAlarm(bool fired);
 
   KvCacheService* const service_;
   StepBatchProcessor* const processor_;
   ServerMetrics* const metrics_;
   const int32_t max_inflight_;
   const std::string tenant_;
+  const absl::Duration idle_timeout_;
   std::vector<std::unique_ptr<Slot>> slots_;  // a ring, by read sequence number
 
   absl::Mutex mu_;
@@ -90,6 +107,9 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;        // OnDone ran
+  absl::Time last_read_ ABSL_GUARDED_BY(mu_);    // when the last batch arrived
+  std::unique_ptr<grpc::Alarm> idle_alarm_ ABSL_GUARDED_BY(mu_);
+  bool idle_alarm_set_ ABSL_GUARDED_BY(mu_) = false;  // its callback has not run yet
   bool accepted_ = false;                         // counted in kvcache_streams_open
 };
 

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,7 +26,7 @@
 namespace kvcm::testing {
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
-    const std::vector<std::string>& extra_flags) {
+    const std::vector<std::string>& extra_flags, int64_t fd_limit) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
   char pattern[] = "/tmp/kvcached_test_XXXXXX";
   if (mkdtemp(pattern) == nullptr) return absl::InternalError("mkdtemp failed");
@@ -40,6 +41,10 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   if (d->pid_ == 0) {
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 2);
+    if (fd_limit > 0) {
+      const rlimit limit = {static_cast<rlim_t>(fd_limit), static_cast<rlim_t>(fd_limit)};
+      if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(126);
+    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -111,6 +116,22 @@ int64_t ResidentBytes(pid_t pid) {
     if (fields.size() >= 2 && absl::SimpleAtoi(fields[1], &kib)) return kib * 1024;
   }
   return -1;
+}
+
+int HalfOpenConnection(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) return -1;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path) {

@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,8 +19,9 @@ namespace kvcm::testing {
 class DaemonProcess {
  public:
   // Starts build/bin/kvcached with `extra_flags` and waits until its port file appears.
+  // `fd_limit` > 0: the daemon runs with RLIMIT_NOFILE at that, soft and hard.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
-      const std::vector<std::string>& extra_flags = {});
+      const std::vector<std::string>& extra_flags = {}, int64_t fd_limit = 0);
   ~DaemonProcess();  // SIGKILL if still running
 
   const std::string& grpc_address() const { return grpc_address_; }
@@ -44,6 +46,9 @@ class DaemonProcess {
 
 // A process's resident memory, from /proc/<pid>/status; -1 when unreadable.
 int64_t ResidentBytes(pid_t pid);
+// A socket connected to `address` (IPv4 host:port) that the caller never writes to, as a
+// half-open client; -1 on failure. The caller closes it.
+int HalfOpenConnection(const std::string& address);
 
 // GET http://address/path; the body, or an error.
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);

@@ -33,6 +33,13 @@ class DaemonTest : public ::testing::Test {
     return text.ok() ? *text : "";
   }
 
+  // Opens `request` as a sequence of `world` tensor-parallel ranks; fails the test if refused.
+  void OpenTensorParallel(::kvcache::v1::OpenSequenceRequest request, int32_t world) {
+    request.set_tp_world_size(world);
+    const absl::StatusOr<::kvcache::v1::SequenceState> opened = client_->Open(request);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+  }
+
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<client::KvCacheClient> client_;
 };

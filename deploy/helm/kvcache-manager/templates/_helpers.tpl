@@ -89,7 +89,10 @@ app.kubernetes.io/part-of: kvcache-manager
   (list "kv_dtype" $d.kvDtype)
   (list "kv_shared_memory" $d.kvSharedMemory)
   (list "max_sequence_tokens" $d.maxSequenceTokens)
-  (list "memory_limit_bytes" $d.memoryLimitBytes) }}
+  (list "memory_limit_bytes" $d.memoryLimitBytes)
+  (list "stream_idle_timeout" $d.streamIdleTimeout)
+  (list "max_connections" $d.maxConnections)
+  (list "listener_probe_interval" $d.listenerProbeInterval) }}
 {{- range $flags }}
 {{- $value := index . 1 }}
 {{- if not (kindIs "invalid" $value) }}
