@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/sequence_table.h"
 #include "cache_manager/step_executor.h"
 #include "server/metrics.h"
@@ -77,7 +78,7 @@ class Daemon {
   std::string metrics_address_;
   absl::Notification stop_reclaimer_;
   std::thread reclaimer_;
-  absl::Mutex drain_mu_;
+  Mutex drain_mu_;
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
 };
 

@@ -8,7 +8,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -41,7 +41,7 @@ class HealthService final : public ::grpc::health::v1::Health::CallbackService {
   // The status of `service`, or SERVICE_UNKNOWN.
   Status StatusOf(const std::string& service) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<HealthWatcher*> watchers_ ABSL_GUARDED_BY(mu_);

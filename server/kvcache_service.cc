@@ -165,7 +165,7 @@ grpc::ServerBidiReactor<v1::StepBatch, v1::DecisionBatch>* KvCacheService::StepS
                                         options_.max_inflight_batches, /*tenant=*/"");
   grpc::Status refusal;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) {
       refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                              "kvcached is draining; open the stream on another daemon");
@@ -204,7 +204,7 @@ grpc::ServerWriteReactor<v1::KvEvent>* KvCacheService::WatchKvEvents(
   if (refusal.ok()) {
     // Checked after subscribing: StartDraining sets draining_ before it ends the
     // subscriptions, so a subscription it missed is refused here.
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) {
       refusal = absl::UnavailableError("kvcached is draining; watch another daemon's KV events");
     }
@@ -220,7 +220,7 @@ grpc::ServerWriteReactor<v1::KvEvent>* KvCacheService::WatchKvEvents(
 
 void KvCacheService::StartDraining() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     draining_ = true;
   }
   if (KvEventLog* log = table_->kv_events(); log != nullptr) {
@@ -229,7 +229,7 @@ void KvCacheService::StartDraining() {
 }
 
 void KvCacheService::StreamDone() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   --open_streams_;
 }
 

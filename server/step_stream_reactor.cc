@@ -21,7 +21,7 @@ StepStreamReactor::StepStreamReactor(KvCacheService* service, StepBatchProcessor
 void StepStreamReactor::Start(const grpc::Status& refusal) {
   if (!refusal.ok()) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       finished_ = true;
     }
     Finish(refusal);
@@ -30,7 +30,7 @@ void StepStreamReactor::Start(const grpc::Status& refusal) {
   accepted_ = true;
   metrics_->StreamOpened();
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     reading_ = true;
   }
   StartRead(&SlotAt(0).request);
@@ -68,7 +68,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
   std::optional<grpc::Status> finish;
   Slot* slot = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     reading_ = false;
     if (!ok) {  // the client half-closed, or the call ended
       reads_done_ = true;
@@ -87,7 +87,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
   processor_->Process(slot->request, tenant_, Rpc::kStepStream, &slot->batch, this);
   ::kvcache::v1::StepBatch* next = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (TakeReadLocked()) next = &SlotAt(read_seq_).request;
   }
   if (next != nullptr) StartRead(next);
@@ -98,7 +98,7 @@ void StepStreamReactor::BatchDone(PendingBatch* batch) {
   std::optional<grpc::Status> finish;
   bool delete_now = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& slot : slots_) {
       if (&slot->batch == batch) slot->decided = true;
     }
@@ -120,7 +120,7 @@ void StepStreamReactor::OnWriteDone(bool ok) {
   ::kvcache::v1::StepBatch* next_read = nullptr;
   std::optional<grpc::Status> finish;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     writing_ = false;
     if (ok) {
       SlotAt(written_seq_).decided = false;
@@ -140,7 +140,7 @@ void StepStreamReactor::OnWriteDone(bool ok) {
 void StepStreamReactor::OnCancel() {
   std::optional<grpc::Status> finish;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     cancelled_ = true;
     finish = TakeFinishLocked();
   }
@@ -152,7 +152,7 @@ void StepStreamReactor::OnDone() {
   service_->StreamDone();
   bool delete_now;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     done_ = true;
     delete_now = in_engine_ == 0;
   }

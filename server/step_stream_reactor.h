@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"
@@ -71,7 +71,7 @@ class StepStreamReactor final
   const std::string tenant_;
   std::vector<std::unique_ptr<Slot>> slots_;  // a ring, by read sequence number
 
-  absl::Mutex mu_;
+  Mutex mu_;
   int64_t read_seq_ ABSL_GUARDED_BY(mu_) = 0;     // batches read so far (next slot to fill)
   int64_t written_seq_ ABSL_GUARDED_BY(mu_) = 0;  // replies fully written (oldest busy slot)
   int64_t in_engine_ ABSL_GUARDED_BY(mu_) = 0;    // batches read, BatchDone not yet called
