@@ -7,7 +7,7 @@
 #                   integration tests (tests/server) against an ASan+UBSan kvcached.
 #   3. build-tsan/  ThreadSanitizer over the engine's concurrency tests (label concurrency).
 #   4. build-fuzz/  clang: the thread-safety analysis (-Wthread-safety -Werror) over every
-#                   library and binary, and the fuzz targets, each fuzzed for 60 s
+#                   library and binary, and the fuzz targets, each fuzzed for 45 s
 #                   (scripts/fuzz.sh; KVCM_FUZZ_SECONDS changes it).
 # Usage: scripts/test.sh [--quick]   (--quick: step 1 only)
 set -euo pipefail
@@ -35,9 +35,12 @@ mkdir -p build-asan
 configure build-asan -DCMAKE_BUILD_TYPE=Asan -DKVCM_CUDA=OFF -DKVCM_BUILD_BENCH=OFF
 cmake --build build-asan -j "$jobs"
 # The deploy checks and the Python client's tests run no code of ours that ASan could
-# instrument (the Python tests' daemon is stage 1's); everything else runs here.
+# instrument (the Python tests' daemon is stage 1's); everything else runs here, but for
+# the daemon's RSS bound, which ASan's shadow memory, redzones and quarantine double
+# (414 MiB against its 200 MiB): stage 1 checks it.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE 'deploy|python'
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE 'deploy|python' \
+    -E 'RepliesNobodyReadsDoNotGrowTheDaemon'
 
 echo "== 3/4 engine concurrency under TSan (build-tsan/)"
 mkdir -p build-tsan
@@ -48,6 +51,6 @@ TSAN_OPTIONS=halt_on_error=1 \
   ctest --test-dir build-tsan --output-on-failure -L concurrency --timeout 900
 
 echo "== 4/4 clang: thread-safety analysis and fuzzing (build-fuzz/)"
-scripts/fuzz.sh "${KVCM_FUZZ_SECONDS:-60}"
+scripts/fuzz.sh "${KVCM_FUZZ_SECONDS:-45}"
 
 echo "== all tests passed"
