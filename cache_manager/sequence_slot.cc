@@ -204,7 +204,7 @@ absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, Decision
   // Whether this report is a rank's first for the pending step: then its rejection
   // rejects the step on every rank. A stray report (another step, a rank that already
   // reported) is refused alone.
-  const auto joins_pending_step = [&] {
+  const auto joins_pending_step = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     if (!known_rank || report.step != step) return false;
     const std::vector<int32_t> missing = join_.MissingRanks();
     return std::find(missing.begin(), missing.end(), report.rank) != missing.end();

@@ -1,10 +1,14 @@
 # Extra build types for the test command:
 #   Asan: AddressSanitizer + UndefinedBehaviorSanitizer, any error aborts the test.
 #   Tsan: ThreadSanitizer, for the concurrency tests.
-foreach(kind Asan Tsan)
+#   Fuzz: the fuzz targets' build (clang): Asan's sanitizers plus libFuzzer's coverage
+#         instrumentation on every target; fuzz/ links the fuzzers with libFuzzer's main.
+foreach(kind Asan Tsan Fuzz)
   string(TOUPPER ${kind} upper)
   if(kind STREQUAL "Asan")
     set(san "-fsanitize=address,undefined -fno-sanitize-recover=all")
+  elseif(kind STREQUAL "Fuzz")
+    set(san "-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all")
   else()
     set(san "-fsanitize=thread")
   endif()

@@ -333,7 +333,7 @@ void Daemon::ReclaimLoop() {
 
 void Daemon::Drain(absl::Duration deadline) {
   {
-    absl::MutexLock lock(&drain_mu_);
+    MutexLock lock(&drain_mu_);
     if (drained_) return;
     drained_ = true;
   }

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/sequence_table.h"
 #include "cache_manager/step_executor.h"
 #include "server/metrics.h"
@@ -86,7 +87,7 @@ class Daemon {
   std::thread reclaimer_;
   absl::Notification stop_prober_;
   std::thread prober_;
-  absl::Mutex drain_mu_;
+  Mutex drain_mu_;
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
 };
 

@@ -33,7 +33,7 @@ class HealthWatcher : public grpc::ServerWriteReactor<health::HealthCheckRespons
   void Update(HealthService::Status status, bool last) {
     bool write = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (done_) return;
       pending_ = status;
       closing_ = closing_ || last;
@@ -50,7 +50,7 @@ class HealthWatcher : public grpc::ServerWriteReactor<health::HealthCheckRespons
     bool write = false;
     bool finish = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (!ok) {
         writing_ = false;
         done_ = true;
@@ -73,7 +73,7 @@ class HealthWatcher : public grpc::ServerWriteReactor<health::HealthCheckRespons
   void OnCancel() override {
     bool finish = false;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (!done_ && !writing_) {
         done_ = true;
         finish = true;
@@ -96,7 +96,7 @@ class HealthWatcher : public grpc::ServerWriteReactor<health::HealthCheckRespons
 
   HealthService* const service_;
   const std::string name_;
-  absl::Mutex mu_;
+  Mutex mu_;
   health::HealthCheckResponse out_;  // the write in flight
   std::optional<HealthService::Status> pending_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -115,21 +115,21 @@ HealthService::Status HealthService::StatusOf(const std::string& service) const 
 }
 
 void HealthService::SetListenerAccepting(bool accepting) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (shut_down_ || listener_accepting_ == accepting) return;
   listener_accepting_ = accepting;
   for (HealthWatcher* w : watchers_) w->Update(StatusOf(w->name()), /*last=*/false);
 }
 
 void HealthService::SetServing(bool serving) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (shut_down_) return;
   serving_ = serving;
   for (HealthWatcher* w : watchers_) w->Update(StatusOf(w->name()), /*last=*/false);
 }
 
 void HealthService::Shutdown() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   shut_down_ = true;
   for (HealthWatcher* w : watchers_) w->Update(StatusOf(w->name()), /*last=*/true);
 }
@@ -138,7 +138,7 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
                                                const health::HealthCheckRequest* request,
                                                health::HealthCheckResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::ReaderMutexLock lock(&mu_);
+  ReaderMutexLock lock(&mu_);
   const Status status = StatusOf(request->service());
   if (status == health::HealthCheckResponse::SERVICE_UNKNOWN) {
     reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
@@ -153,14 +153,14 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
 grpc::ServerWriteReactor<health::HealthCheckResponse>* HealthService::Watch(
     grpc::CallbackServerContext* /*context*/, const health::HealthCheckRequest* request) {
   auto* watcher = new HealthWatcher(this, request->service());
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   watchers_.insert(watcher);
   watcher->Update(StatusOf(request->service()), /*last=*/shut_down_);
   return watcher;
 }
 
 void HealthService::WatcherDone(HealthWatcher* watcher) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   watchers_.erase(watcher);
 }
 

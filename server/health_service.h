@@ -14,8 +14,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "cache_manager/mutex.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -50,7 +50,7 @@ class HealthService final : public ::grpc::health::v1::Health::CallbackService {
   // The status of `service`, or SERVICE_UNKNOWN.
   Status StatusOf(const std::string& service) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool listener_accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -74,7 +74,7 @@ KvEventsReactor::KvEventsReactor(std::unique_ptr<KvEventSubscription> subscripti
 void KvEventsReactor::Start(const grpc::Status& refusal) {
   KvEventSubscription* subscription = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!refusal.ok() || subscription_ == nullptr) finished_ = true;
     subscription = subscription_.get();
   }
@@ -91,7 +91,7 @@ void KvEventsReactor::Pump() {
   bool write = false;
   std::optional<grpc::Status> finish;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (writing_ || finished_ || subscription_ == nullptr) return;
     if (cancelled_) {
       finished_ = true;
@@ -117,7 +117,7 @@ void KvEventsReactor::Pump() {
 
 void KvEventsReactor::OnWriteDone(bool ok) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     writing_ = false;
     if (!ok) cancelled_ = true;  // the stream broke: the client is gone
   }
@@ -126,7 +126,7 @@ void KvEventsReactor::OnWriteDone(bool ok) {
 
 void KvEventsReactor::OnCancel() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     cancelled_ = true;
   }
   Pump();
@@ -135,7 +135,7 @@ void KvEventsReactor::OnCancel() {
 void KvEventsReactor::OnDone() {
   std::unique_ptr<KvEventSubscription> subscription;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     subscription = std::move(subscription_);
   }
   subscription.reset();  // detaches; waits for a wakeup in progress (it finds no subscription)

@@ -19,7 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/kv_events.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.pb.h"
@@ -49,7 +49,7 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<::kvcache::v1::KvE
   void Pump() ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string daemon_run_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::unique_ptr<KvEventSubscription> subscription_ ABSL_GUARDED_BY(mu_);
   KvEvent event_ ABSL_GUARDED_BY(mu_);  // reused
   ::kvcache::v1::KvEvent reply_;  // filled under mu_; gRPC reads it until OnWriteDone

@@ -221,7 +221,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Ste
                                         options_.stream_idle_timeout);
   grpc::Status refusal;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) {
       refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                              "kvcached is draining; open the stream on another daemon");
@@ -260,7 +260,7 @@ grpc::ServerWriteReactor<v1::KvEvent>* KvCacheService::WatchKvEvents(
   if (refusal.ok()) {
     // Checked after subscribing: StartDraining sets draining_ before it ends the
     // subscriptions, so a subscription it missed is refused here.
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (draining_) {
       refusal = absl::UnavailableError("kvcached is draining; watch another daemon's KV events");
     }
@@ -276,7 +276,7 @@ grpc::ServerWriteReactor<v1::KvEvent>* KvCacheService::WatchKvEvents(
 
 void KvCacheService::StartDraining() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     draining_ = true;
   }
   if (KvEventLog* log = table_->kv_events(); log != nullptr) {
@@ -285,7 +285,7 @@ void KvCacheService::StartDraining() {
 }
 
 void KvCacheService::StreamDone() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   --open_streams_;
 }
 

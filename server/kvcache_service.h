@@ -18,7 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/sequence_table.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
@@ -114,7 +114,7 @@ class KvCacheService final : public internal::KvCacheServiceBase {
   ScoreRegions* const regions_;
   ServerMetrics* const metrics_;
   StepBatchProcessor processor_;
-  absl::Mutex mu_;
+  Mutex mu_;
   int64_t open_streams_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -25,7 +25,7 @@ StepStreamReactor::StepStreamReactor(KvCacheService* service, StepBatchProcessor
 void StepStreamReactor::Start(const grpc::Status& refusal) {
   if (!refusal.ok()) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       finished_ = true;
     }
     Finish(refusal);
@@ -34,7 +34,7 @@ void StepStreamReactor::Start(const grpc::Status& refusal) {
   accepted_ = true;
   metrics_->StreamOpened();
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     reading_ = true;
     last_read_ = absl::Now();
     if (idle_timeout_ > absl::ZeroDuration()) SetIdleAlarmLocked(last_read_ + idle_timeout_);
@@ -54,7 +54,7 @@ void StepStreamReactor::OnIdleAlarm(bool fired) {
   bool finish = false;
   bool delete_now = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     idle_alarm_set_ = false;
     const bool over = finished_ || cancelled_ || done_;
     // Only the client's silence counts: a batch still in the engine or a reply not yet
@@ -130,14 +130,14 @@ void StepStreamReactor::OnReadDone(bool ok) {
     // counted as read below.
     Slot* read_into = nullptr;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       read_into = &SlotAt(read_seq_);
     }
     parsed = ParseRequest(read_into->request_bytes, &read_into->request);
     read_into->request_bytes.Clear();
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     reading_ = false;
     if (!ok || !parsed.ok()) {  // the client half-closed, the call ended, or bad bytes
       reads_done_ = true;
@@ -164,7 +164,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
   processor_->Process(slot->request, tenant_, Rpc::kStepStream, &slot->batch, this);
   grpc::ByteBuffer* next = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (TakeReadLocked()) next = &SlotAt(read_seq_).request_bytes;
   }
   if (next != nullptr) StartRead(next);
@@ -175,7 +175,7 @@ void StepStreamReactor::BatchDone(PendingBatch* batch) {
   std::optional<grpc::Status> finish;
   bool delete_now = false;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& slot : slots_) {
       if (&slot->batch == batch) slot->decided = true;
     }
@@ -197,7 +197,7 @@ void StepStreamReactor::OnWriteDone(bool ok) {
   grpc::ByteBuffer* next_read = nullptr;
   std::optional<grpc::Status> finish;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     writing_ = false;
     if (ok) {
       SlotAt(written_seq_).decided = false;
@@ -217,7 +217,7 @@ void StepStreamReactor::OnWriteDone(bool ok) {
 void StepStreamReactor::OnCancel() {
   std::optional<grpc::Status> finish;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     cancelled_ = true;
     finish = TakeFinishLocked();
   }
@@ -229,7 +229,7 @@ void StepStreamReactor::OnDone() {
   service_->StreamDone();
   bool delete_now;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     done_ = true;
     // Its callback (another thread) runs soon and deletes the reactor if nothing else does.
     if (idle_alarm_set_) idle_alarm_->Cancel();

@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/alarm.h"
+#include "cache_manager/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"
@@ -95,7 +95,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
   const absl::Duration idle_timeout_;
   std::vector<std::unique_ptr<Slot>> slots_;  // a ring, by read sequence number
 
-  absl::Mutex mu_;
+  Mutex mu_;
   int64_t read_seq_ ABSL_GUARDED_BY(mu_) = 0;     // batches read so far (next slot to fill)
   int64_t written_seq_ ABSL_GUARDED_BY(mu_) = 0;  // replies fully written (oldest busy slot)
   int64_t in_engine_ ABSL_GUARDED_BY(mu_) = 0;    // batches read, BatchDone not yet called

@@ -18,7 +18,8 @@ absl::StatusOr<json> ParseJson(const std::string& line) {
     try {
       json ignored = json::parse(line);
       (void)ignored;
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
+      // parse_error, and out_of_range for a number too large for a double (1e400)
       return absl::InvalidArgumentError(absl::StrCat("malformed JSON: ", e.what()));
     }
     return absl::InvalidArgumentError("malformed JSON");
@@ -162,8 +163,8 @@ absl::Status ParseTraceStep(const std::string& line, TraceStep* step) {
         return absl::InvalidArgumentError(
             absl::StrCat(where(), "layer ", l, " score ", i, " is not a number"));
       }
-      // Out-of-range doubles become +-inf here and are rejected by the engine as
-      // non-finite, with the layer and position named.
+      // Numbers beyond a double fail the parse above; those beyond a float become +-inf
+      // here and are rejected by the engine as non-finite, with the layer and position named.
       step->scores.push_back(static_cast<float>(row[i].get<double>()));
     }
   }

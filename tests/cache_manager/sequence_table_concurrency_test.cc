@@ -3,12 +3,15 @@
 // Run under ThreadSanitizer by scripts/test.sh (label concurrency).
 #include <atomic>
 #include <condition_variable>
-#include <mutex>
+#include <optional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "cache_manager/mutex.h"
 #include "cache_manager/sequence_table.h"
 #include "gtest/gtest.h"
 #include "tests/cache_manager/engine_test_util.h"
@@ -76,15 +79,35 @@ TEST(SequenceTableConcurrencyTest, ManyThreadsOnManySequences) {
 }
 
 TEST(SequenceTableConcurrencyTest, RanksReportingFromTheirOwnThreadsAllGetTheSameDecision) {
-  SequenceTable table;
   constexpr int32_t kRanks = 4;
   constexpr int64_t kSteps = 60;
+  // What the ranks share. A rank that fails sets `failed` and wakes every other: a rank
+  // waiting for a decision that will never come (its peer gave up) then stops too, so a
+  // failure fails the test instead of hanging it. Declared before the table, which may
+  // still call a pending step's callbacks (abandoned) when it is destroyed.
+  struct Shared {
+    Mutex mu;
+    std::condition_variable_any changed;
+    bool failed ABSL_GUARDED_BY(mu) = false;
+    std::vector<std::optional<absl::StatusOr<EvictionDecision>>> decided ABSL_GUARDED_BY(mu);
+  } shared;
+  {
+    MutexLock lock(&shared.mu);
+    shared.decided.resize(kRanks);
+  }
+  SequenceTable table;
   ASSERT_TRUE(table.Open("tp", Options("inertia"), kRanks).ok());
   // Every rank knows the cache size only from the decisions it received, as a worker does.
   std::vector<std::vector<EvictionDecision>> received(kRanks);
   std::vector<std::thread> ranks;
   for (int32_t rank = 0; rank < kRanks; ++rank) {
     ranks.emplace_back([&, rank] {
+      const auto fail = [&](const std::string& why) {
+        ADD_FAILURE() << "rank " << rank << ": " << why;
+        MutexLock lock(&shared.mu);
+        shared.failed = true;
+        shared.changed.notify_all();
+      };
       std::mt19937_64 rng(42);  // same stream on every rank: the same pooled rows
       int64_t cache = 64;
       for (int64_t t = 1; t <= kSteps; ++t) {
@@ -94,31 +117,35 @@ TEST(SequenceTableConcurrencyTest, RanksReportingFromTheirOwnThreadsAllGetTheSam
         r.step = t;
         r.head_count = 1;
         r.partial_sums = scores.matrix;
-        // std::mutex, not absl::Mutex: this test also runs under TSan (cache_manager/mutex.h).
-        std::mutex mu;
-        std::condition_variable decided;
-        bool done = false;
-        EvictionDecision got;
-        ASSERT_TRUE(table
-                        .SubmitRankReport("tp", r,
-                                          [&](const absl::StatusOr<EvictionDecision>& d) {
-                                            std::lock_guard<std::mutex> lock(mu);
-                                            ASSERT_TRUE(d.ok()) << d.status();
-                                            got = *d;
-                                            done = true;
-                                            decided.notify_one();
-                                          })
-                        .ok());
-        std::unique_lock<std::mutex> lock(mu);
-        decided.wait(lock, [&] { return done; });
-        received[static_cast<size_t>(rank)].push_back(got);
-        cache = got.cache_size;
+        // The callback only records: an assertion there would return before waking the
+        // rank's thread. The thread checks what it got.
+        const absl::Status submitted = table.SubmitRankReport(
+            "tp", r, [&shared, rank](const absl::StatusOr<EvictionDecision>& d) {
+              MutexLock lock(&shared.mu);
+              shared.decided[static_cast<size_t>(rank)] = d;
+              shared.changed.notify_all();
+            });
+        if (!submitted.ok()) return fail(absl::StrCat("step ", t, ": ", submitted.ToString()));
+        absl::StatusOr<EvictionDecision> got;
+        {
+          MutexLock lock(&shared.mu);
+          auto& mine = shared.decided[static_cast<size_t>(rank)];
+          while (!mine.has_value() && !shared.failed) shared.mu.Wait(&shared.changed);
+          if (!mine.has_value()) return;  // another rank failed: this step will not complete
+          got = *std::move(mine);
+          mine.reset();
+        }
+        if (!got.ok()) return fail(absl::StrCat("step ", t, ": ", got.status().ToString()));
+        received[static_cast<size_t>(rank)].push_back(*got);
+        cache = got->cache_size;
       }
     });
   }
   for (auto& t : ranks) t.join();
-  for (int32_t rank = 1; rank < kRanks; ++rank) {
+  for (int32_t rank = 0; rank < kRanks; ++rank) {
     ASSERT_EQ(received[static_cast<size_t>(rank)].size(), static_cast<size_t>(kSteps));
+  }
+  for (int32_t rank = 1; rank < kRanks; ++rank) {
     for (int64_t t = 0; t < kSteps; ++t) {
       EXPECT_EQ(received[static_cast<size_t>(rank)][static_cast<size_t>(t)].evicted,
                 received[0][static_cast<size_t>(t)].evicted);

@@ -1,6 +1,8 @@
 // The sequence table with KV pools: every sequence's slots follow its cache.
-#include <set>
+#include <map>
 #include <random>
+#include <set>
+#include <vector>
 
 #include "cache_manager/kv_pools.h"
 #include "cache_manager/sequence_table.h"
@@ -104,12 +106,55 @@ TEST(SequenceTableKvTest, ARejectedStepGivesItsSlotBack) {
   ExpectSlotsFollowTheCache(table, "a", 1);
 }
 
+// A worker's slot table for one rank, kept only from the decisions it receives: where
+// the K/V of each cached position lives.
+using SlotTable = std::map<int64_t, int64_t>;  // position -> slot
+
+SlotTable SlotsOf(const SequenceInfo& info, int32_t rank) {
+  SlotTable table;
+  for (size_t i = 0; i < info.positions.size(); ++i) {
+    table[info.positions[i]] = info.kv_slots[static_cast<size_t>(rank)][i];
+  }
+  return table;
+}
+
+// What a worker does with one step's decision (clients/python PooledKvCache.apply):
+// forget the evicted positions, follow the compaction's moves (all at once: a slot moved
+// away may receive another), then put the new token at its slot.
+void Apply(const EvictionDecision& d, const KvSlotChanges& change, int64_t new_position,
+           SlotTable* table) {
+  for (const int64_t p : d.evicted) table->erase(p);
+  std::map<int64_t, int64_t> moved;  // src -> dst
+  for (const kernels::KvMove& move : change.moves) {
+    EXPECT_TRUE(moved.emplace(move.src_slot, move.dst_slot).second)
+        << "slot " << move.src_slot << " moved twice";
+  }
+  int64_t followed = 0;
+  for (auto& [position, slot] : *table) {
+    if (auto it = moved.find(slot); it != moved.end()) {
+      slot = it->second;
+      ++followed;
+    }
+  }
+  // The compaction runs with the new token already in the lease, so at most one move is
+  // of a slot the worker does not hold yet: the new token's, which it writes after.
+  EXPECT_GE(followed + 1, static_cast<int64_t>(moved.size()))
+      << "moves of slots no cached token occupies";
+  if (change.new_token_slot >= 0) (*table)[new_position] = change.new_token_slot;
+}
+
 TEST(SequenceTableKvTest, TensorParallelStepsMoveEveryRanksSlots) {
-  auto pools = Pools(2, 32);
+  constexpr int32_t kRanks = 2;
+  constexpr int64_t kPrefill = 20;
+  auto pools = Pools(kRanks, 32);
   SequenceTable table(SequenceTableOptions{.kv_pools = pools.get()});
-  ASSERT_TRUE(table.Open("tp", Options(20, 6), 2).ok());
+  ASSERT_TRUE(table.Open("tp", Options(kPrefill, 6), kRanks).ok());
+  absl::StatusOr<SequenceInfo> start = table.Inspect("tp", /*with_cache=*/true);
+  ASSERT_TRUE(start.ok());
+  std::vector<SlotTable> worker = {SlotsOf(*start, 0), SlotsOf(*start, 1)};
   std::mt19937_64 rng(4);
-  int64_t cache = 20;
+  int64_t cache = kPrefill;
+  int64_t moves = 0;
   for (int64_t t = 1; t <= 5; ++t) {
     testing::DenseScores s(testing::RandomLayers(rng, 1, cache + 1, false));
     std::vector<EvictionDecision> got;
@@ -119,19 +164,37 @@ TEST(SequenceTableKvTest, TensorParallelStepsMoveEveryRanksSlots) {
       r.step = t;
       r.head_count = 1;
       r.partial_sums = s.matrix;
+      absl::Status decided;
       ASSERT_TRUE(table
                       .SubmitRankReport("tp", r,
                                         [&](const absl::StatusOr<EvictionDecision>& d) {
-                                          ASSERT_TRUE(d.ok()) << d.status();
-                                          got.push_back(*d);
+                                          decided = d.status();
+                                          if (d.ok()) got.push_back(*d);
                                         })
                       .ok());
+      ASSERT_TRUE(decided.ok()) << decided;
     }
     ASSERT_EQ(got.size(), 2u);
-    EXPECT_EQ(got[0].kv.size(), 2u);
-    cache = got[0].cache_size;
+    const EvictionDecision& d = got[0];
+    EXPECT_EQ(got[1].evicted, d.evicted);
+    ASSERT_EQ(d.kv.size(), static_cast<size_t>(kRanks));
+    // Every rank's worker, applying its own rank's changes, ends with the slots the table
+    // holds for it.
+    absl::StatusOr<SequenceInfo> after = table.Inspect("tp", /*with_cache=*/true);
+    ASSERT_TRUE(after.ok());
+    for (int32_t rank = 0; rank < kRanks; ++rank) {
+      const KvSlotChanges& change = d.kv[static_cast<size_t>(rank)];
+      ASSERT_EQ(change.rank, rank);
+      moves += static_cast<int64_t>(change.moves.size());
+      Apply(d, change, /*new_position=*/kPrefill + t - 1, &worker[static_cast<size_t>(rank)]);
+      EXPECT_EQ(worker[static_cast<size_t>(rank)], SlotsOf(*after, rank))
+          << "step " << t << " rank " << rank;
+    }
+    cache = d.cache_size;
   }
-  ExpectSlotsFollowTheCache(table, "tp", 2);
+  // 20 tokens cut to 6 leaves holes in the blocks: the compaction must have moved some.
+  EXPECT_GT(moves, 0);
+  ExpectSlotsFollowTheCache(table, "tp", kRanks);
 }
 
 }  // namespace

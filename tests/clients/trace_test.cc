@@ -67,5 +67,19 @@ TEST(TraceStepTest, RejectsRaggedOrNonNumericLayersNamingTheStep) {
   EXPECT_THAT(ParseTraceStep(R"({"step":1.5})", &s).message(), HasSubstr("integer"));
 }
 
+// Found by fuzz/trace_fuzzer: a number too large for a double made nlohmann::json throw
+// out_of_range, which the parser did not catch, and kvcache-replay terminated.
+TEST(TraceStepTest, ANumberBeyondADoubleIsAMalformedLineNotACrash) {
+  TraceStep s;
+  const absl::Status score = ParseTraceStep(R"({"step":1,"layers":[[0.5,1e400]]})", &s);
+  EXPECT_EQ(score.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(score.message(), HasSubstr("malformed JSON"));
+  EXPECT_THAT(score.message(), HasSubstr("number overflow"));
+  EXPECT_EQ(ParseTraceHeader(R"({"format":"kvtrace/1","prefill_len":8,"compression_ratio":1e999})")
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvcm::replay

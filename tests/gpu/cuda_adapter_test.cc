@@ -1,7 +1,8 @@
 // The CUDA status adapter and the device count need no device: they run (and must pass)
 // everywhere. The count's classification is tested on the errors a machine can give; the
 // real count must be OK here, and equal KVCM_EXPECT_GPUS when tests/gpu/run.sh sets it
-// (from nvidia-smi), so that a broken driver cannot pass as "no GPU".
+// (from nvidia-smi), and be at least 1 where the kernel shows a GPU and
+// CUDA_VISIBLE_DEVICES hides none, so that a broken driver cannot pass as "no GPU".
 #include "kernels/cuda/cuda_adapter.h"
 
 #include <cstdlib>
@@ -57,6 +58,10 @@ TEST(DeviceCountTest, ThisMachinesCountIsReadWithoutError) {
     EXPECT_EQ(*count, std::atoi(expected)) << "nvidia-smi and the CUDA runtime disagree";
   } else if (!NvidiaGpuPresent()) {
     EXPECT_EQ(*count, 0) << "no NVIDIA GPU is visible to the kernel, yet CUDA counts some";
+  } else if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible == nullptr) {
+    // A GPU the kernel shows and nothing hides from the runtime: it must count it, or a
+    // broken runtime would pass as "no GPU" and every GPU test would skip.
+    EXPECT_GE(*count, 1) << "the kernel shows an NVIDIA GPU, yet CUDA counts none";
   }
 }
 

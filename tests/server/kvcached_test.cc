@@ -30,6 +30,35 @@ constexpr int kFailedPrecondition = 9;
 class KvcachedTest : public testing::DaemonTest {
  protected:
   void SetUp() override { StartDaemon(); }
+
+  // The value of `series` once it is `want`, or its last value after 30 s. For what the
+  // daemon accounts after the client already has its answer (a closed stream is counted
+  // out when the server side finishes it): the test then fails instead of depending on a
+  // sleep being long enough.
+  double EventualMetric(const std::string& series, double want) {
+    double value = MetricValue(Metrics(), series);
+    for (const absl::Time give_up = absl::Now() + absl::Seconds(30);
+         value != want && absl::Now() < give_up; value = MetricValue(Metrics(), series)) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return value;
+  }
+
+  // How many ranks reported `step` of `id`, once one has: a report sent on a stream
+  // reaches the join when its engine thread gets to it. 0 after 30 s without any; fails
+  // the test when the step was decided meanwhile (on too few reports).
+  int32_t RanksReported(const std::string& id, int64_t step) {
+    for (const absl::Time give_up = absl::Now() + absl::Seconds(30); absl::Now() < give_up;
+         absl::SleepFor(absl::Milliseconds(1))) {
+      absl::StatusOr<v1::SequenceState> state = client_->Inspect(id, false);
+      EXPECT_TRUE(state.ok()) << state.status();
+      if (!state.ok()) return -1;
+      EXPECT_EQ(state->last_step(), step - 1) << "step " << step << " was decided";
+      if (state->last_step() != step - 1) return -1;
+      if (state->ranks_reported() > 0) return state->ranks_reported();
+    }
+    return 0;
+  }
 };
 
 TEST_F(KvcachedTest, OpenInspectListAndClose) {
@@ -156,7 +185,7 @@ TEST_F(KvcachedTest, StreamDecidesLikeTheEmbeddedEngine) {
   EXPECT_EQ(MetricValue(metrics, R"(kvcache_sequences_open{policy="h2o"})"), 1);
   EXPECT_EQ(MetricValue(metrics, R"(kvcache_tokens_seen{policy="h2o"})"), 325);
   EXPECT_GT(MetricValue(metrics, R"(kvcache_batch_duration_seconds_count{rpc="StepStream"})"), 24);
-  EXPECT_EQ(MetricValue(metrics, "kvcache_streams_open"), 0);
+  EXPECT_EQ(EventualMetric("kvcache_streams_open", 0), 0);
   EXPECT_EQ(MetricValue(metrics, "kvcache_serving"), 1);
 }
 
@@ -282,8 +311,8 @@ TEST_F(KvcachedTest, TensorParallelRanksOutOfOrderAllGetTheSameDecision) {
     client::StepStream& first = t % 2 ? **rank1 : **rank0;
     client::StepStream& second = t % 2 ? **rank0 : **rank1;
     ASSERT_TRUE(first.Send(t % 2 ? b1 : b0).ok());
-    absl::SleepFor(absl::Milliseconds(5));  // let the first report wait in the join
-    EXPECT_EQ(client_->Inspect("tp", false)->ranks_reported(), 1);
+    // The step must still be waiting for the other rank.
+    ASSERT_EQ(RanksReported("tp", t), 1) << "step " << t;
     ASSERT_TRUE(second.Send(t % 2 ? b0 : b1).ok());
     absl::StatusOr<v1::DecisionBatch> d0 = (*rank0)->Receive();
     absl::StatusOr<v1::DecisionBatch> d1 = (*rank1)->Receive();
@@ -312,10 +341,9 @@ TEST_F(KvcachedTest, ClientDisconnectingMidStreamLeavesTheDaemonAndOtherRanksWor
     v1::StepBatch b0;
     client::AddReport(&b0, "tp", 1);
     ASSERT_TRUE((*rank0)->Send(b0).ok());
-    absl::SleepFor(absl::Milliseconds(20));
+    ASSERT_EQ(RanksReported("tp", 1), 1);
     // rank0 goes away with its step still waiting for rank 1 (the StepStream is cancelled).
   }
-  absl::SleepFor(absl::Milliseconds(50));
   auto rank1 = client_->OpenStepStream();
   ASSERT_TRUE(rank1.ok());
   v1::StepBatch b1;
@@ -327,8 +355,7 @@ TEST_F(KvcachedTest, ClientDisconnectingMidStreamLeavesTheDaemonAndOtherRanksWor
   EXPECT_EQ(reply->decisions(0).cache_size(), 20);
   EXPECT_EQ(client_->Inspect("tp", false)->last_step(), 1);
   EXPECT_TRUE((*rank1)->Close().ok());
-  absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_EQ(MetricValue(Metrics(), "kvcache_streams_open"), 0);
+  EXPECT_EQ(EventualMetric("kvcache_streams_open", 0), 0);
 }
 
 TEST_F(KvcachedTest, HealthIsServingThenNotServingOnSigterm) {
