@@ -107,10 +107,12 @@ def expected_args(v):
                       ("kvTokensPerBlock", "kv_tokens_per_block"), ("kvDtype", "kv_dtype"),
                       ("kvSharedMemory", "kv_shared_memory"),
                       ("maxSequenceTokens", "max_sequence_tokens"),
-                      ("memoryLimitBytes", "memory_limit_bytes")
+                      ("memoryLimitBytes", "memory_limit_bytes"),
                       ("streamIdleTimeout", "stream_idle_timeout"),
                       ("maxConnections", "max_connections"),
-                      ("listenerProbeInterval", "listener_probe_interval")]:
+                      ("listenerProbeInterval", "listener_probe_interval"),
+                      ("diagnosticsEvery", "diagnostics_every"),
+                      ("diagnosticsSample", "diagnostics_sample")]:
         if d.get(key) is not None:
             value = str(d[key]).lower() if isinstance(d[key], bool) else d[key]
             args.append(f"--{flag}={value}")

@@ -92,11 +92,14 @@ app.kubernetes.io/part-of: kvcache-manager
   (list "memory_limit_bytes" $d.memoryLimitBytes)
   (list "stream_idle_timeout" $d.streamIdleTimeout)
   (list "max_connections" $d.maxConnections)
-  (list "listener_probe_interval" $d.listenerProbeInterval) }}
+  (list "listener_probe_interval" $d.listenerProbeInterval)
+  (list "diagnostics_every" $d.diagnosticsEvery)
+  (list "diagnostics_sample" $d.diagnosticsSample) }}
 {{- range $flags }}
 {{- $value := index . 1 }}
 {{- if not (kindIs "invalid" $value) }}
-{{- if kindIs "float64" $value }}
+{{- if and (kindIs "float64" $value) (eq $value (float64 (int64 $value))) }}
+{{- /* YAML numbers arrive as float64: whole ones as integers, fractions as they are */}}
 {{- $value = int64 $value }}
 {{- end }}
 - --{{ index . 0 }}={{ $value }}
