@@ -6,8 +6,7 @@
 #   scripts/fuzz.sh [SECONDS]
 # The corpus each run grows is kept in build-fuzz/corpus/TARGET/ for the next run; a crash,
 # leak or timeout leaves its input in build-fuzz/artifacts/TARGET/ and fails the script.
-# Environment: KVCM_FUZZ_JOBS (build parallelism, default nproc), KVCM_FUZZ_KNOWN_BUGS=ON
-# (let the fuzzers reach the open bugs the targets otherwise skip, fuzz/fuzz_support.h).
+# Environment: KVCM_FUZZ_JOBS (build parallelism, default nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
@@ -17,7 +16,7 @@ targets=(step_batch open_sequence trace)
 
 mkdir -p "$dir"
 CC=clang-14 CXX=clang++-14 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Fuzz \
-  -DKVCM_FUZZ=ON -DKVCM_FUZZ_KNOWN_BUGS="${KVCM_FUZZ_KNOWN_BUGS:-OFF}" -DKVCM_THREAD_SAFETY=ON \
+  -DKVCM_FUZZ=ON -DKVCM_THREAD_SAFETY=ON \
   -DKVCM_WERROR=ON -DKVCM_CUDA=OFF -DKVCM_BUILD_TESTS=OFF -DKVCM_BUILD_BENCH=OFF \
   >"$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; exit 1; }
 cmake --build "$dir" -j "$jobs"
