@@ -36,11 +36,11 @@ configure build-asan -DCMAKE_BUILD_TYPE=Asan -DKVCM_CUDA=OFF -DKVCM_BUILD_BENCH=
 cmake --build build-asan -j "$jobs"
 # The deploy checks and the Python client's tests run no code of ours that ASan could
 # instrument (the Python tests' daemon is stage 1's); everything else runs here, but for
-# the daemon's RSS bound, which ASan's shadow memory, redzones and quarantine double
-# (414 MiB against its 200 MiB): stage 1 checks it.
+# the daemon RSS bounds, which ASan's shadow memory, redzones and quarantine break (414 MiB
+# against a 200 MiB bound; freed memory held in quarantine after closes): stage 1 checks them.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE 'deploy|python' \
-    -E 'RepliesNobodyReadsDoNotGrowTheDaemon'
+    -E 'RepliesNobodyReadsDoNotGrowTheDaemon|MemoryLimitRefusesOpensPastItAndRssStaysBounded'
 
 echo "== 3/4 engine concurrency under TSan (build-tsan/)"
 mkdir -p build-tsan
