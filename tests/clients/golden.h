@@ -14,11 +14,11 @@ namespace kvcm::testing {
 
 inline std::string GoldenDir() { return std::string(KVCM_TEST_DATA_DIR) + "/golden"; }
 
-// Names NAME of every NAME.trace.jsonl in the golden directory, sorted.
-inline std::vector<std::string> GoldenNames() {
+// Names NAME of every NAME.trace.jsonl in `dir` (default: the golden directory), sorted.
+inline std::vector<std::string> GoldenNames(const std::string& dir = GoldenDir()) {
   std::vector<std::string> names;
   const std::string suffix = ".trace.jsonl";
-  for (const auto& entry : std::filesystem::directory_iterator(GoldenDir())) {
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
     if (file.size() > suffix.size() && file.ends_with(suffix)) {
       names.push_back(file.substr(0, file.size() - suffix.size()));

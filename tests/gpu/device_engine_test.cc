@@ -42,18 +42,8 @@ std::string GoldenDir() {
   return dir != nullptr && *dir != '\0' ? std::string(dir) + "/golden" : testing::GoldenDir();
 }
 
-std::vector<std::string> GoldenNames() {
-  std::vector<std::string> names;
-  const std::string suffix = ".trace.jsonl";
-  for (const auto& entry : std::filesystem::directory_iterator(GoldenDir())) {
-    const std::string file = entry.path().filename().string();
-    if (file.size() > suffix.size() && file.ends_with(suffix)) {
-      names.push_back(file.substr(0, file.size() - suffix.size()));
-    }
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
+// The golden traces of GoldenDir() (the carried data directory on a bare GPU machine).
+std::vector<std::string> GoldenNames() { return testing::GoldenNames(GoldenDir()); }
 
 const kernels::KernelBackend& DeviceBackend() {
 #if KVCM_DEVICE_ENGINE_CUDA

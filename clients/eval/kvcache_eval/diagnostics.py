@@ -122,15 +122,19 @@ def live_figures(metrics_text: str) -> Dict[str, Dict[str, float]]:
     return out
 
 
+#: the dashboard's readings, in the order of ``means``
+READINGS = ("raw top-k churn", "momentum top-k churn", "raw/momentum Jaccard",
+            "small-change share", "evicted while relevant")
+
+
 def means(figures: Dict[str, float]) -> Dict[str, float]:
     """The dashboard's readings of one policy's figures (docs/METRICS.md)."""
     steps = figures["steps"] or math.nan
     evicted = figures["evicted"] or math.nan
-    return {"raw top-k churn": figures["raw_churn_sum"] / steps,
-            "momentum top-k churn": figures["momentum_churn_sum"] / steps,
-            "raw/momentum Jaccard": figures["jaccard_sum"] / steps,
-            "small-change share": figures["small_change"] / steps,
-            "evicted while relevant": figures["evicted_relevant"] / evicted}
+    return dict(zip(READINGS, (figures["raw_churn_sum"] / steps,
+                               figures["momentum_churn_sum"] / steps,
+                               figures["jaccard_sum"] / steps, figures["small_change"] / steps,
+                               figures["evicted_relevant"] / evicted)))
 
 
 def agree(live: Dict[str, float], offline: Dict[str, float]) -> bool:

@@ -110,7 +110,6 @@ def shift_table(results: Dict[str, Any]) -> str:
 
 def diagnostics_table(results: Dict[str, Any]) -> str:
     d = results["diagnostics"]
-    names = list(diagnostics.means(diagnostics.empty()))
     rows = []
     for policy in d["live"]:
         live, offline = d["live"][policy], d["offline"][policy]
@@ -118,7 +117,7 @@ def diagnostics_table(results: Dict[str, Any]) -> str:
             rows.append([f"{policy} ({source})", f"{figures.get('steps', 0):.0f}",
                          *[f"{v:.3f}" for v in diagnostics.means(
                              figures or diagnostics.empty()).values()]])
-    return table(["policy (source)", "measured steps", *names], rows)
+    return table(["policy (source)", "measured steps", *diagnostics.READINGS], rows)
 
 
 def throughput_table(results: Dict[str, Any]) -> str:
