@@ -38,6 +38,8 @@ CASES = [
     ("pdb", "pdb.yaml", [], False),
     ("pdb minAvailable", "pdb-min-available.yaml", [], False),
     ("minimal", "minimal.yaml", [], False),
+    ("mutual TLS, tokens, state on the node", "tls-tokens-hostpath.yaml", [], False),
+    ("TLS with a separate client CA, no state", "tls-client-ca.yaml", [], False),
 ]
 
 # (what, helm arguments, text the error must contain): each must make helm template fail.
@@ -67,6 +69,12 @@ REJECTIONS = [
     ("bad PDB value", ["--set", "podDisruptionBudget.maxUnavailable=half"], "podDisruptionBudget.maxUnavailable"),
     ("bad service type", ["--set", "service.type=Ingress"], "service.type"),
     ("tolerations not a list", ["--set", "tolerations=none"], "tolerations"),
+    ("unknown state volume", ["--set", "state.volume=pvc"], "state.volume"),
+    ("relative state hostPath", ["--set", "state.hostPath=var/lib"], "state.hostPath"),
+    ("tenant memory share zero", ["--set", "daemon.tenantMemoryShare=0"], "daemon.tenantMemoryShare"),
+    ("tenant memory share over one", ["--set", "daemon.tenantMemoryShare=1.5"], "daemon.tenantMemoryShare"),
+    ("TLS Secret name not a DNS name", ["--set", "tls.secretName=Bad_Name"], "tls.secretName"),
+    ("unknown tls key", ["--set", "tls.cert=x"], "cert"),
     ("Kubernetes without gRPC probes", ["--kube-version", "1.26.0"], "kubeVersion"),
 ]
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
@@ -112,11 +120,72 @@ def expected_args(v):
                       ("maxConnections", "max_connections"),
                       ("listenerProbeInterval", "listener_probe_interval"),
                       ("diagnosticsEvery", "diagnostics_every"),
-                      ("diagnosticsSample", "diagnostics_sample")]:
+                      ("diagnosticsSample", "diagnostics_sample"),
+                      ("tenantMaxSequences", "tenant_max_sequences"),
+                      ("tenantMemoryShare", "tenant_memory_share")]:
         if d.get(key) is not None:
             value = str(d[key]).lower() if isinstance(d[key], bool) else d[key]
             args.append(f"--{flag}={value}")
+    if v["tls"]["secretName"]:
+        args += ["--tls_cert_file=/etc/kvcached/tls/tls.crt",
+                 "--tls_key_file=/etc/kvcached/tls/tls.key"]
+        if v["tls"]["requireClientCertificates"]:
+            args.append("--tls_client_ca_file=/etc/kvcached/client-ca/ca.crt")
+        args.append(f"--health_listen=0.0.0.0:{v['ports']['health']}")
+    if v["auth"]["tokensSecretName"]:
+        args.append("--auth_tokens_file=/etc/kvcached/auth/tokens")
+    if v["state"]["enabled"]:
+        args.append("--state_dir=/var/lib/kvcached")
     return args + list(d.get("extraArgs", []))
+
+
+def check_secrets_and_state(expect, v, c, pod):
+    """TLS, token and state volumes: each Secret mounted read-only where its flag points,
+    with only the keys the daemon reads; the state directory on its volume."""
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    vols = {x["name"]: x for x in pod.get("volumes", [])}
+
+    def secret_at(path, secret, items):
+        m = mounts.get(path)
+        if not expect(m is not None, f"nothing mounted at {path}"):
+            return
+        expect(m.get("readOnly") is True, f"{path} must be mounted read-only")
+        vol = vols.get(m["name"], {}).get("secret", {})
+        expect(vol.get("secretName") == secret, f"{path}: Secret {vol.get('secretName')!r} != {secret!r}")
+        expect(vol.get("items") == items, f"{path}: items {vol.get('items')} != {items}")
+        expect(vol.get("defaultMode") == 0o440, f"{path}: the Secret's files must be mode 0440")
+
+    tls, auth, state = v["tls"], v["auth"], v["state"]
+    if tls["secretName"]:
+        secret_at("/etc/kvcached/tls", tls["secretName"],
+                  [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}])
+        if tls["requireClientCertificates"]:
+            secret_at("/etc/kvcached/client-ca", tls["clientCaSecretName"] or tls["secretName"],
+                      [{"key": "ca.crt", "path": "ca.crt"}])
+        ports = {p["name"]: p.get("containerPort") for p in c.get("ports", [])}
+        expect(ports.get("health") == v["ports"]["health"], "the plaintext health port is not declared")
+    else:
+        expect(not {"/etc/kvcached/tls", "/etc/kvcached/client-ca"} & set(mounts),
+               "TLS Secrets mounted without tls.secretName")
+    if auth["tokensSecretName"]:
+        secret_at("/etc/kvcached/auth", auth["tokensSecretName"],
+                  [{"key": auth["tokensSecretKey"], "path": "tokens"}])
+    else:
+        expect("/etc/kvcached/auth" not in mounts, "a token Secret mounted without auth.tokensSecretName")
+    m = mounts.get("/var/lib/kvcached")
+    if not state["enabled"]:
+        expect(m is None, "a state volume mounted with state.enabled false")
+        return
+    if not expect(m is not None and not m.get("readOnly"), "the state directory must be mounted writable"):
+        return
+    vol = vols.get(m["name"], {})
+    if state["volume"] == "hostPath":
+        expect(vol.get("hostPath") == {"path": state["hostPath"], "type": "DirectoryOrCreate"},
+               f"state hostPath {vol.get('hostPath')}")
+    else:
+        expect(vol.get("emptyDir", {}).get("sizeLimit") == state["sizeLimit"]
+               and "medium" not in vol.get("emptyDir", {}),
+               f"state must be a disk emptyDir of {state['sizeLimit']}, got {vol}")
 
 
 def check_render(name, objs, text, v, api, f):
@@ -189,8 +258,10 @@ def check_render(name, objs, text, v, api, f):
             expect(key not in c, f"{key} rendered although disabled")
             continue
         p = c.get(key, {})
-        expect(p.get("grpc") == {"port": grpc, "service": pv["service"]},
-               f"{key} must be grpc {{port: {grpc}, service: {pv['service']!r}}}, got {p.get('grpc')}")
+        # The kubelet's gRPC probes cannot speak TLS: with it they use the plaintext health port.
+        probe_port = v["ports"]["health"] if v["tls"]["secretName"] else grpc
+        expect(p.get("grpc") == {"port": probe_port, "service": pv["service"]},
+               f"{key} must be grpc {{port: {probe_port}, service: {pv['service']!r}}}, got {p.get('grpc')}")
         expect(not ({"httpGet", "exec", "tcpSocket"} & set(p)), f"{key} has another handler")
     if name.startswith("default"):
         expect(c["livenessProbe"]["grpc"]["service"] == "", "liveness checks the whole server")
@@ -207,6 +278,7 @@ def check_render(name, objs, text, v, api, f):
     mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
     vols = {x["name"]: x for x in pod.get("volumes", [])}
     expect("/tmp" in mounts and "emptyDir" in vols.get(mounts.get("/tmp"), {}), "/tmp must be an emptyDir")
+    check_secrets_and_state(expect, v, c, pod)
 
     # GPUs: nvidia.com/gpu only on the cuda backend with a GPU count.
     res = c.get("resources", {})

@@ -12,6 +12,7 @@ See docs/PYTHON.md. Needs grpcio and the generated kvcache.v1 modules on the pat
 
 from .batch import SequenceBatch, TrackedSequence
 from .client import KvCacheClient
+from .credentials import TlsConfig
 from .errors import KvCacheError, StepError
 from .fold import FoldWeights, fold_scores
 from .policy import PRESETS, Policy
@@ -25,7 +26,7 @@ __all__ = [
     "Decision", "EncodedScores", "FoldWeights", "KvCacheClient", "KvCacheError", "KvChange",
     "KvPool", "PRESETS", "Policy", "PreparedScores",
     "Report", "ScoreRegion", "Scores", "ScoreShapeError", "SequenceBatch", "SequenceState",
-    "SequenceStats", "StepError", "StepStream", "TrackedSequence", "decode_scores",
+    "SequenceStats", "StepError", "StepStream", "TlsConfig", "TrackedSequence", "decode_scores",
     "encode_scores", "fold_scores", "prepare_scores",
 ]
 __version__ = "0.1.0"

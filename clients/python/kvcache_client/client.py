@@ -8,6 +8,7 @@ import grpc
 
 from ._proto import dtype_to_proto, encoding_to_proto, layout_to_proto, pb, pb_grpc
 from .batch import SequenceBatch
+from .credentials import TlsConfig, make_channel, read_token_file
 from .errors import KvCacheError
 from .policy import Policy
 from .region import ScoreRegion
@@ -29,14 +30,28 @@ class KvCacheClient:
 
     def __init__(self, address: str, *, timeout: Optional[float] = None,
                  options: Sequence[Tuple[str, Any]] = (),
-                 channel: Optional[grpc.Channel] = None) -> None:
+                 channel: Optional[grpc.Channel] = None,
+                 tls: Optional[TlsConfig] = None, token: Optional[str] = None,
+                 token_file: Optional[str] = None) -> None:
         """``timeout``: seconds per call (and per step reply of batches), None: no limit.
         ``options``: gRPC channel options, e.g. ``[("grpc.max_send_message_length", n)]``.
-        ``channel``: use this channel instead of an insecure one to ``address``."""
+        ``tls``: a :class:`TlsConfig` for a daemon run with ``--tls_cert_file`` (None:
+        plaintext). ``token`` or ``token_file`` (a file holding it): the bearer token of
+        this client's tenant, for a daemon run with ``--auth_tokens_file``; sent on every
+        call. ``channel``: use this channel as it is instead (``tls`` and the token must
+        then be None).
+        Raises ValueError for unreadable files, or ``token`` and ``token_file`` together."""
+        if token is not None and token_file is not None:
+            raise ValueError("give one of token and token_file, not both")
+        if channel is not None and (tls is not None or token is not None
+                                    or token_file is not None):
+            raise ValueError("channel is used as it is: give tls and the token to it instead")
+        if token_file is not None:
+            token = read_token_file(token_file)
         self.address = address
         self.timeout = timeout
-        self._channel = channel if channel is not None else grpc.insecure_channel(
-            address, options=list(options))
+        self._channel = channel if channel is not None else make_channel(
+            address, tls=tls, token=token, options=options)
         self._stub = pb_grpc.KvCacheStub(self._channel)
 
     # -- sequences ------------------------------------------------------------------------

@@ -94,7 +94,9 @@ app.kubernetes.io/part-of: kvcache-manager
   (list "max_connections" $d.maxConnections)
   (list "listener_probe_interval" $d.listenerProbeInterval)
   (list "diagnostics_every" $d.diagnosticsEvery)
-  (list "diagnostics_sample" $d.diagnosticsSample) }}
+  (list "diagnostics_sample" $d.diagnosticsSample)
+  (list "tenant_max_sequences" $d.tenantMaxSequences)
+  (list "tenant_memory_share" $d.tenantMemoryShare) }}
 {{- range $flags }}
 {{- $value := index . 1 }}
 {{- if not (kindIs "invalid" $value) }}
@@ -105,7 +107,26 @@ app.kubernetes.io/part-of: kvcache-manager
 - --{{ index . 0 }}={{ $value }}
 {{- end }}
 {{- end }}
+{{- if .Values.tls.secretName }}
+- --tls_cert_file=/etc/kvcached/tls/tls.crt
+- --tls_key_file=/etc/kvcached/tls/tls.key
+{{- if .Values.tls.requireClientCertificates }}
+- --tls_client_ca_file=/etc/kvcached/client-ca/ca.crt
+{{- end }}
+- --health_listen=0.0.0.0:{{ .Values.ports.health }}
+{{- end }}
+{{- if .Values.auth.tokensSecretName }}
+- --auth_tokens_file=/etc/kvcached/auth/tokens
+{{- end }}
+{{- if .Values.state.enabled }}
+- --state_dir=/var/lib/kvcached
+{{- end }}
 {{- range $d.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end }}
+
+{{/* The port the kubelet's gRPC probes use: plaintext health beside a TLS gRPC port. */}}
+{{- define "kvcache-manager.probePort" -}}
+{{- if .Values.tls.secretName }}{{ .Values.ports.health }}{{ else }}{{ .Values.ports.grpc }}{{ end }}
 {{- end }}
