@@ -5,12 +5,15 @@
   check_helm.py --helm PATH render   helm template over the matrix of tests/deploy/values,
                                      asserting on the rendered objects
   check_helm.py --helm PATH schema   values.schema.json (and kubeVersion) reject bad values
+  check_helm.py --helm PATH flags --kvcached BIN
+                                     every flag any case renders is one `kvcached --help` lists
 """
 
 import argparse
 import copy
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -407,14 +410,42 @@ def run_schema(args, f):
     f.exit("values.schema.json rejections")
 
 
+def run_flags(args, f):
+    if not args.kvcached:
+        sys.exit("flags needs --kvcached")
+    r = subprocess.run([args.kvcached, "--help"], capture_output=True, text=True, timeout=60)
+    known = set(re.findall(r"--([a-z0-9_]+)", r.stdout + r.stderr))
+    f.check(len(known) > 20, f"kvcached --help lists {len(known)} flags:\n{r.stdout}{r.stderr}")
+    rendered = set()
+    for name, file, extra, _ in CASES:
+        r = helm(["template", RELEASE, str(dl.CHART), "--namespace", NAMESPACE,
+                  "-f", str(VALUES_DIR / file)] + extra, args.helm)
+        if not f.check(r.returncode == 0, f"[{name}] helm template failed:\n{r.stderr}"):
+            continue
+        values = yaml.safe_load((VALUES_DIR / file).read_text()) or {}
+        verbatim = set((values.get("daemon") or {}).get("extraArgs") or [])
+        for o in dl.load_all_unique(r.stdout):
+            if o["kind"] not in ("DaemonSet", "Deployment"):
+                continue
+            for arg in o["spec"]["template"]["spec"]["containers"][0]["args"]:
+                if arg not in verbatim:
+                    rendered.add(arg.split("=", 1)[0][2:])
+    for flag in sorted(rendered):
+        f.check(flag in known, f"the chart renders --{flag}, which kvcached does not know")
+    print(f"flags: {len(rendered)} rendered, {len(rendered - known)} unknown to kvcached")
+    f.exit("chart flags known to kvcached")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--helm", required=True, help="the helm binary (tests/deploy/fetch_helm.sh)")
-    ap.add_argument("mode", choices=["lint", "render", "schema"])
+    ap.add_argument("--kvcached", help="the kvcached binary (mode flags)")
+    ap.add_argument("mode", choices=["lint", "render", "schema", "flags"])
     args = ap.parse_args()
     if not pathlib.Path(args.helm).is_file():
         sys.exit(f"{args.helm} not found: run tests/deploy/fetch_helm.sh (ctest runs it as deploy_helm_fetch)")
-    {"lint": run_lint, "render": run_render, "schema": run_schema}[args.mode](args, dl.Failures())
+    {"lint": run_lint, "render": run_render, "schema": run_schema,
+     "flags": run_flags}[args.mode](args, dl.Failures())
 
 
 if __name__ == "__main__":
