@@ -50,3 +50,24 @@ def test_the_torch_worker_example_runs(start_daemon):
                           "--kv_dtype=float32")
     out = run_section("## The torch worker side", daemon.address)
     assert out.split() == ["6", "71", "2"]
+
+
+def test_every_kvcached_flag_is_documented():
+    """Each flag kvcached_main.cc defines is named in README.md (or, for the KV pool
+    geometry, docs/GPU.md): a new flag without a word for the operator fails here."""
+    import subprocess
+
+    from daemon import kvcached_binary, missing_reason
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    done = subprocess.run([str(kvcached_binary()), "--help"], capture_output=True, text=True,
+                          timeout=30)
+    help_text = done.stdout + done.stderr
+    ours = re.split(r"^\s*Flags from ", help_text, flags=re.M)
+    section = next(s for s in ours if s.split(":", 1)[0].endswith("kvcached_main.cc"))
+    flags = set(re.findall(r"^\s{4}--([a-z0-9_]+)", section, flags=re.M))
+    assert len(flags) > 20, help_text
+    docs = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "GPU.md").read_text()
+    undocumented = sorted(f for f in flags if f"--{f}" not in docs)
+    assert not undocumented, f"flags named in neither README.md nor docs/GPU.md: {undocumented}"
