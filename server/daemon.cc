@@ -268,13 +268,44 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
   }
   d->grpc_address_ = WithPort(options.listen, port);
-  d->health_->SetServing(true);
+  RETURN_IF_ERROR(d->StartHealthServer());
+  d->ForEachHealth([](HealthService& health) { health.SetServing(true); });
   d->metrics_->SetServing(true);
   d->reclaimer_ = std::thread([daemon = d.get()] { daemon->ReclaimLoop(); });
   if (options.listener_probe_interval > absl::ZeroDuration()) {
     d->prober_ = std::thread([daemon = d.get()] { daemon->ProbeLoop(); });
   }
   return d;
+}
+
+absl::Status Daemon::StartHealthServer() {
+  if (options_.health_listen.empty()) return absl::OkStatus();
+  if (absl::StartsWith(options_.health_listen, "unix:")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--health_listen=", options_.health_listen, ": give a host:port (it exists for probes "
+        "that dial a TCP port)"));
+  }
+  // Its own server, so that nothing but health is ever served without the credentials of
+  // --listen; its own HealthService instance, because gRPC registers a service on one
+  // server only. ForEachHealth keeps the two saying the same.
+  plain_health_ = std::make_unique<HealthService>();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options_.health_listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(plain_health_.get());
+  builder.SetMaxReceiveMessageSize(4096);  // a HealthCheckRequest names a service
+  health_server_ = builder.BuildAndStart();
+  if (health_server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve health on --health_listen=", options_.health_listen));
+  }
+  health_address_ = WithPort(options_.health_listen, port);
+  return absl::OkStatus();
+}
+
+void Daemon::ForEachHealth(absl::FunctionRef<void(HealthService&)> tell) {
+  tell(*health_);
+  if (plain_health_ != nullptr) tell(*plain_health_);
 }
 
 void Daemon::ProbeLoop() {
@@ -292,7 +323,7 @@ void Daemon::ProbeLoop() {
       std::fprintf(stderr, "kvcached: the listener does not accept connections (%s): "
                            "NOT_SERVING until it does\n", std::string(probed.message()).c_str());
     }
-    health_->SetListenerAccepting(accepting);
+    ForEachHealth([accepting](HealthService& health) { health.SetListenerAccepting(accepting); });
   }
 }
 
@@ -340,7 +371,8 @@ void Daemon::Drain(absl::Duration deadline) {
   stop_prober_.Notify();
   if (prober_.joinable()) prober_.join();
   if (server_ != nullptr) {  // null when Start failed before serving
-    health_->Shutdown();  // NOT_SERVING, and watchers' calls end
+    // NOT_SERVING, and watchers' calls end.
+    ForEachHealth([](HealthService& health) { health.Shutdown(); });
     // New connections are refused from now on, as gRPC's own listener would refuse them
     // on Shutdown; stopped first so that it adds nothing between the steps below.
     if (tcp_listener_ != nullptr) tcp_listener_->Stop();
@@ -348,6 +380,10 @@ void Daemon::Drain(absl::Duration deadline) {
     service_->StartDraining();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
     server_->Wait();
+  }
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
+    health_server_->Wait();
   }
   stop_reclaimer_.Notify();
   if (reclaimer_.joinable()) reclaimer_.join();

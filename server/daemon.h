@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -44,6 +45,8 @@ class Daemon {
   // host:port actually bound (port 0 in the options resolves here).
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
+  // host:port of --health_listen, bound; "" without it.
+  const std::string& health_address() const { return health_address_; }
   // The kernel backend the sequences' engine state runs on ("cpu", "cuda", ...).
   const std::string& engine_name() const { return engine_name_; }
 
@@ -64,6 +67,10 @@ class Daemon {
   // tensor-parallel ranks, so that no stream outlives the service. After the server
   // has stopped.
   void StopEngine();
+  // Serves a second HealthService, alone and in plaintext, on options_.health_listen.
+  absl::Status StartHealthServer();
+  // Tells every health service (the one on --listen and the one on --health_listen).
+  void ForEachHealth(absl::FunctionRef<void(HealthService&)> tell);
 
   const ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
@@ -80,6 +87,9 @@ class Daemon {
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<TcpListener> tcp_listener_;  // TCP listen addresses; before server_
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<HealthService> plain_health_;  // with --health_listen
+  std::unique_ptr<grpc::Server> health_server_;
+  std::string health_address_;
   std::string grpc_address_;
   std::string metrics_address_;
   std::string engine_name_ = "cpu";

@@ -25,6 +25,9 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address: host:port (port 0: any free port) or unix:/path/to.sock");
+ABSL_FLAG(std::string, health_listen, "",
+          "also serve grpc.health.v1, alone and in plaintext, on this host:port (port 0: any), "
+          "for probes that cannot speak TLS (the kubelet's gRPC probes); \"\": only on --listen");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics address (port 0: any free port; empty: no metrics)");
 ABSL_FLAG(std::string, port_file, "",
@@ -150,7 +153,11 @@ bool WritePortFile(const std::string& path, const kvcm::server::Daemon& daemon) 
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << "{\"grpc\": \"" << daemon.grpc_address() << "\", \"metrics\": \""
-        << daemon.metrics_address() << "\"}\n";
+        << daemon.metrics_address() << "\"";
+    if (!daemon.health_address().empty()) {
+      out << ", \"health\": \"" << daemon.health_address() << "\"";
+    }
+    out << "}\n";
     if (!out) return false;
   }
   return std::rename(tmp.c_str(), path.c_str()) == 0;
@@ -185,6 +192,7 @@ int main(int argc, char** argv) {
   kvcm::server::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.max_tp_world_size = absl::GetFlag(FLAGS_max_tp_world_size);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

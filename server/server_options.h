@@ -32,6 +32,9 @@ struct ServerOptions {
   // gRPC: host:port (port 0 picks a free port) or unix:/path (workers on the same node).
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";   // Prometheus /metrics; "" disables
+  // grpc.health.v1 alone, in plaintext, on its own port (host:port; "" : none), answering
+  // what the health service on `listen` answers: for probes that cannot speak TLS.
+  std::string health_listen;
   int64_t max_sequences = 65536;
   int32_t max_tp_world_size = 64;
   int64_t max_message_bytes = 256 << 20;  // largest StepBatch accepted

@@ -65,6 +65,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   const nlohmann::json ports = nlohmann::json::parse(in);
   d->grpc_address_ = ports["grpc"].get<std::string>();
   d->metrics_address_ = ports["metrics"].get<std::string>();
+  if (ports.contains("health")) d->health_address_ = ports["health"].get<std::string>();
   return d;
 }
 

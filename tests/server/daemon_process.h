@@ -26,6 +26,8 @@ class DaemonProcess {
 
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
+  // --health_listen's address, "" without it.
+  const std::string& health_address() const { return health_address_; }
   pid_t pid() const { return pid_; }
 
   std::unique_ptr<client::KvCacheClient> Connect() const;
@@ -42,6 +44,7 @@ class DaemonProcess {
   std::string dir_;
   std::string grpc_address_;
   std::string metrics_address_;
+  std::string health_address_;
 };
 
 // A process's resident memory, from /proc/<pid>/status; -1 when unreadable.

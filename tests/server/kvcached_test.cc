@@ -396,6 +396,56 @@ TEST_F(KvcachedTest, HealthIsServingThenNotServingOnSigterm) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 
+// --health_listen: health alone, in plaintext, saying what the health on --listen says,
+// so that probes that cannot speak TLS still see a draining daemon.
+TEST_F(KvcachedTest, TheHealthPortServesHealthAloneAndFollowsTheDrain) {
+  daemon_.reset();
+  StartDaemon({"--health_listen=127.0.0.1:0", "--drain_deadline=60s"});
+  ASSERT_FALSE(daemon_->health_address().empty()) << "no \"health\" in the port file";
+  ASSERT_NE(daemon_->health_address(), daemon_->grpc_address());
+  auto channel =
+      grpc::CreateChannel(daemon_->health_address(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  for (const char* service : {"", "kvcache.v1.KvCache"}) {
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    ASSERT_TRUE(health->Check(&context, request, &response).ok());
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  // Nothing but health: the KvCache service is not there.
+  {
+    auto kv = kvcache::v1::KvCache::NewStub(channel);
+    grpc::ClientContext context;
+    kvcache::v1::ListSequencesRequest request;
+    kvcache::v1::ListSequencesResponse response;
+    EXPECT_EQ(kv->ListSequences(&context, request, &response).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  grpc::ClientContext watch_context;
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("kvcache.v1.KvCache");
+  auto watch = health->Watch(&watch_context, request);
+  grpc::health::v1::HealthCheckResponse update;
+  ASSERT_TRUE(watch->Read(&update));
+  EXPECT_EQ(update.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  kill(daemon_->pid(), SIGTERM);
+  ASSERT_TRUE(watch->Read(&update));
+  EXPECT_EQ(update.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_FALSE(watch->Read(&update));
+  EXPECT_TRUE(watch->Finish().ok());
+  EXPECT_EQ(daemon_->SignalAndWait(0, absl::Seconds(40)), 0);
+}
+
+TEST_F(KvcachedTest, AUnixHealthAddressIsRefusedAtStart) {
+  daemon_.reset();
+  absl::StatusOr<std::unique_ptr<testing::DaemonProcess>> refused =
+      testing::DaemonProcess::Start({"--health_listen=unix:/tmp/kvcached-health.sock"});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("--health_listen"));
+}
+
 TEST_F(KvcachedTest, SigtermRefusesNewCallsServesOpenStreamsAndExitsZero) {
   constexpr int kSequences = 16;
   for (int i = 0; i < kSequences; ++i) {
