@@ -3,6 +3,7 @@ tokens: certificates made by `openssl` for each session, real daemons on loopbac
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -128,9 +129,26 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_of_its_ca(mtls_daemon
         assert error.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def _health_check(address: str, service: str) -> bytes:
+    """grpc.health.v1.Health/Check over plaintext, encoded by hand (HealthCheckRequest is
+    field 1, the service name; the reply's field 1 is the status, 1 for SERVING)."""
+    request = (b"\x0a" + bytes([len(service)]) + service.encode()) if service else b""
+    with grpc.insecure_channel(address) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        return check(request, timeout=10)
+
+
 def test_a_plaintext_client_cannot_talk_to_a_tls_daemon(tmp_path, pki):
-    daemon = _start(tmp_path, pki)
+    daemon = _start(tmp_path, pki, "--health_listen=127.0.0.1:0")
     try:
+        # The kubelet's probes: plaintext health on its own port, SERVING.
+        health = json.loads(daemon.port_file.read_text())["health"]
+        for service in ("", "kvcache.v1.KvCache"):
+            assert _health_check(health, service) == b"\x08\x01"
+        with pytest.raises(grpc.RpcError) as error:
+            grpc.insecure_channel(health).unary_unary("/kvcache.v1.KvCache/ListSequences")(
+                b"", timeout=10)
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED  # nothing but health
         with KvCacheClient(daemon.address, timeout=10) as plain:
             with pytest.raises(KvCacheError) as error:
                 plain.list_sequences()
