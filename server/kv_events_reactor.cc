@@ -101,6 +101,7 @@ void KvEventsReactor::Pump() {
         case KvEventSubscription::Poll::kEvent: {
           ToProto(event_, daemon_run_, &reply_);
           bool own_buffer = false;
+          reply_bytes_.Clear();  // the last write is done: its bytes are free
           (void)grpc::SerializationTraits<::kvcache::v1::KvEvent>::Serialize(
               reply_, &reply_bytes_, &own_buffer);
           writing_ = write = true;
