@@ -4,6 +4,7 @@
 #include <grp.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -400,6 +401,49 @@ TEST_F(TenantTest, PerTenantMemoryShareHoldsAtItsByteExactly) {
                         "(--tenant_memory_share)"));
   EXPECT_EQ(a->List()->size(), 1u);
   ASSERT_TRUE(b->Open(client::OpenRequest("full", 1023, 0.5, "tova")).ok());
+}
+
+// Runs `command` (stderr with stdout); its exit status and output.
+std::pair<int, std::string> RunCommand(const std::string& command) {
+  std::string output;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return {-1, ""};
+  char buffer[4096];
+  size_t n = 0;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) output.append(buffer, n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+// kvcache-replay and kvcache-loadgen against a daemon with mTLS and bearer tokens: with
+// their TLS and token flags they run; without the token they fail UNAUTHENTICATED.
+TEST_F(TenantTest, ReplayAndLoadgenRunOverMutualTlsWithATokenFile) {
+  const Certificates& c = Certificates::Get();
+  WriteTokens(kTwoTenants);
+  StartDaemon(TlsFlags(/*mtls=*/true));
+  const std::string token_file = c.Path("token-b.txt");
+  std::ofstream(token_file) << "token-b\n";
+  // The certificate names 127.0.0.1 and localhost: "localhost" checks the name override.
+  const std::string tls = absl::StrCat(
+      " --server=", daemon_->grpc_address(), " --tls_ca_file=", c.Path("ca.pem"),
+      " --tls_cert_file=", c.Path("client.pem"), " --tls_key_file=", c.Path("client.key"),
+      " --tls_server_name=localhost");
+  const std::string replay = absl::StrCat(
+      KVCM_BIN_DIR, "/kvcache-replay --trace=", KVCM_TEST_DATA_DIR,
+      "/golden/ema_lazy4.trace.jsonl --summary", tls);
+  auto [replay_rc, replay_out] = RunCommand(replay + " --auth_token_file=" + token_file);
+  EXPECT_EQ(replay_rc, 0) << replay_out;
+  auto [refused_rc, refused_out] = RunCommand(replay);
+  EXPECT_NE(refused_rc, 0) << refused_out;
+  EXPECT_THAT(refused_out, HasSubstr("bearer token"));
+  const std::string loadgen = absl::StrCat(
+      KVCM_BIN_DIR, "/kvcache-loadgen --sequences=2 --streams=1 --layers=2 --context=64 "
+      "--policy=inertia --duration=200ms --embedded=false", tls);
+  auto [loadgen_rc, loadgen_out] = RunCommand(loadgen + " --auth_token_file=" + token_file);
+  EXPECT_EQ(loadgen_rc, 0) << loadgen_out;
+  auto [missing_rc, missing_out] = RunCommand(loadgen + " --auth_token_file=" + c.Path("nope"));
+  EXPECT_EQ(missing_rc, 2) << missing_out;
+  EXPECT_THAT(missing_out, HasSubstr("auth token file " + c.Path("nope") + ": cannot be read"));
 }
 
 TEST(UnixSocketTest, TheSocketIsMode0660AndAnUnknownGroupRefusesStart) {
