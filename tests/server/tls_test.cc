@@ -229,6 +229,29 @@ TEST_F(TenantTest, CallsWithoutAKnownTokenAreUnauthenticatedAndHealthStaysOpen) 
     ASSERT_TRUE(stream.ok());
     EXPECT_EQ((*stream)->Step(v1::StepBatch()).status().code(),
               absl::StatusCode::kUnauthenticated);
+    {
+      grpc::ClientContext context;
+      v1::DescribeKvPoolsResponse pools;
+      EXPECT_EQ(c->stub().DescribeKvPools(&context, v1::DescribeKvPoolsRequest(), &pools)
+                    .error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+    {
+      grpc::ClientContext context;
+      v1::UnregisterScoreRegionResponse unregistered;
+      EXPECT_EQ(c->stub()
+                    .UnregisterScoreRegion(&context, v1::UnregisterScoreRegionRequest(),
+                                           &unregistered)
+                    .error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+    {
+      grpc::ClientContext context;
+      auto reader = c->stub().WatchKvEvents(&context, v1::WatchKvEventsRequest());
+      v1::KvEvent event;
+      EXPECT_FALSE(reader->Read(&event));
+      EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    }
   }
   EXPECT_EQ(Health(grpc::CreateChannel(daemon_->grpc_address(),
                                        grpc::InsecureChannelCredentials())),
@@ -472,6 +495,31 @@ TEST(UnixSocketTest, TheSocketIsMode0660AndAnUnknownGroupRefusesStart) {
   ASSERT_FALSE(unknown.ok());
   EXPECT_THAT(unknown.status().message(),
               HasSubstr("--listen_group no-such-group-kvcm: no such group"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(TlsTest, AUnixSocketSpeaksTlsTooAndItsProbeStaysServing) {
+  char pattern[] = "/tmp/kvcached_unix_XXXXXX";
+  const std::string dir = mkdtemp(pattern);
+  std::vector<std::string> flags = TlsFlags(/*mtls=*/true);
+  flags.push_back("--listen=unix:" + dir + "/kvcached.sock");
+  auto daemon = DaemonProcess::Start(flags);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const Certificates& c = Certificates::Get();
+  client::ClientOptions options;
+  options.address = (*daemon)->grpc_address();
+  options.connect_timeout = absl::Seconds(3);
+  options.tls_ca_file = c.Path("ca.pem");
+  options.tls_cert_file = c.Path("client.pem");
+  options.tls_key_file = c.Path("client.key");
+  options.tls_server_name = "localhost";  // a unix: target names no host
+  auto tls = client::KvCacheClient::Connect(options);
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  EXPECT_TRUE((*tls)->List().ok());
+  EXPECT_EQ(ConnectTo(**daemon, "").status().code(), absl::StatusCode::kUnavailable);
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("NOT_SERVING")));
+  daemon->reset();
   std::filesystem::remove_all(dir);
 }
 
