@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "clients/cpp/kvcache_client.h"
+#include "clients/cpp/score_region.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -299,6 +300,35 @@ TEST_F(TenantTest, AnotherTenantsSequenceIsNotFoundOnEveryRpcLikeAnUnknownId) {
   EXPECT_EQ(a->Inspect("s1", false)->prefill_len(), 16);
   ASSERT_TRUE(b->Close("s1").ok());
   EXPECT_TRUE(a->Inspect("s1", false).ok());
+}
+
+TEST_F(TenantTest, AnotherTenantsScoreRegionIsNotRegisteredForIt) {
+  WriteTokens(kTwoTenants);
+  StartDaemon({"--allow_shm_scores"});
+  std::unique_ptr<client::KvCacheClient> a = As("token-a");
+  std::unique_ptr<client::KvCacheClient> b = As("token-b");
+  auto region = client::ScoreRegion::Create(*a, 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ASSERT_TRUE(b->Open(client::OpenRequest("s", 4, 0.5, "tova")).ok());
+  // b names a's region in a report: refused as a region b never registered.
+  v1::StepBatch batch;
+  (*region)->Reference(client::AddReport(&batch, "s", 1), 0, 20, 1,
+                       kernels::ScoreDtype::kFloat32);
+  auto stepped = b->Step(batch);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(stepped->decisions(0).code(),
+            static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(stepped->decisions(0).message(),
+              HasSubstr(absl::StrCat("score region ", (*region)->id(),
+                                     " offset 0 byte_size 20: no such region is registered")));
+  grpc::ClientContext context;
+  v1::UnregisterScoreRegionRequest request;
+  request.set_region((*region)->id());
+  v1::UnregisterScoreRegionResponse response;
+  const grpc::Status unregistered = b->stub().UnregisterScoreRegion(&context, request, &response);
+  EXPECT_EQ(unregistered.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(unregistered.error_message(),
+            absl::StrCat("score region ", (*region)->id(), " is not registered"));
 }
 
 // Reads events until (and including) the first whose sequence id is `until`.
