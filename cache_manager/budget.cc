@@ -65,14 +65,15 @@ void ByteBudget::Give(int64_t bytes) {
 }
 
 void ByteBudget::Release(int64_t bytes) {
-  Give(bytes);
+  used_.fetch_sub(bytes, std::memory_order_relaxed);
   freed_.fetch_add(bytes, std::memory_order_relaxed);
+  if (parent_ != nullptr) parent_->Release(bytes);
 }
 
 int64_t ByteBudget::left() const { return std::max<int64_t>(0, limit_ - used()); }
 
 std::string ByteBudget::Refusal(int64_t bytes) const {
-  return absl::StrCat(bytes, " bytes asked, ", used(), " of the daemon's ", limit_,
+  return absl::StrCat(bytes, " bytes asked, ", used(), " of ", holder_, "'s ", limit_,
                       " bytes in use, ", left(), " left (", flag_, ")");
 }
 

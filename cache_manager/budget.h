@@ -34,10 +34,12 @@ absl::StatusOr<int64_t> ResolveBudget(int64_t prefill_len, const BudgetSpec& spe
 // memory limit: its parent). Thread-safe (lock-free).
 class ByteBudget {
  public:
-  // `flag` names the limit in messages. `parent` (may be null; must outlive this one)
-  // must have room for every byte taken here too.
-  explicit ByteBudget(int64_t limit, std::string flag = "", ByteBudget* parent = nullptr)
-      : limit_(limit), flag_(std::move(flag)), parent_(parent) {}
+  // `flag` names the limit in messages, `holder` whose limit it is ("the daemon",
+  // "tenant 'a'"). `parent` (may be null; must outlive this one) must have room for every
+  // byte taken here too.
+  explicit ByteBudget(int64_t limit, std::string flag = "", ByteBudget* parent = nullptr,
+                      std::string holder = "the daemon")
+      : limit_(limit), flag_(std::move(flag)), holder_(std::move(holder)), parent_(parent) {}
   ByteBudget(const ByteBudget&) = delete;
   ByteBudget& operator=(const ByteBudget&) = delete;
 
@@ -50,7 +52,7 @@ class ByteBudget {
   void Take(int64_t bytes);
   void Give(int64_t bytes);
   // Give, for bytes that were freed (a closed sequence's state, a shrunk array), as opposed
-  // to a reservation handed back unused; counted by freed().
+  // to a reservation handed back unused; counted by freed() here and in the parents.
   void Release(int64_t bytes);
 
   int64_t used() const { return used_.load(std::memory_order_relaxed); }
@@ -60,7 +62,7 @@ class ByteBudget {
   // What is left under the limit (0 when at or past it).
   int64_t left() const;
   const std::string& flag() const { return flag_; }
-  // For a refusal: "N bytes asked, U of the daemon's L bytes in use, R left (--flag)".
+  // For a refusal: "N bytes asked, U of <holder>'s L bytes in use, R left (--flag)".
   std::string Refusal(int64_t bytes) const;
 
  private:
@@ -68,6 +70,7 @@ class ByteBudget {
 
   const int64_t limit_;
   const std::string flag_;
+  const std::string holder_;
   ByteBudget* const parent_;
   std::atomic<int64_t> used_{0};
   std::atomic<int64_t> freed_{0};

@@ -44,6 +44,7 @@ struct KvSubscriberState {
   std::string reason;  // the RESYNC's
   absl::Status end;
   bool armed = false;  // a Next found nothing: wake it when something comes
+  std::string tenant;  // only this tenant's events are delivered (set once, at Subscribe)
   const std::shared_ptr<KvWaker> waker = std::make_shared<KvWaker>();
 
   bool attached() const {
@@ -249,6 +250,7 @@ void KvEventLog::Append(KvSequenceEvents* source, std::vector<KvEvent>& events) 
       slot.id = ++newest_;
       slot.unix_micros = now;
       slot.sequence_id = source->state_.sequence_id;
+      slot.tenant = source->state_.tenant;
     }
     for (const std::unique_ptr<Subscriber>& s : subscribers_) {
       if (!s->attached()) continue;
@@ -276,7 +278,9 @@ void KvEventLog::Append(KvSequenceEvents* source, std::vector<KvEvent>& events) 
 
 void KvEventLog::ContributeLocked(KvSequenceEvents* source) {
   for (Subscriber* s : snapshotting_) {
-    if (s->epoch > source->epoch_ && s->attached()) s->snapshot.push_back(source->state_);
+    if (s->epoch > source->epoch_ && s->attached() && s->tenant == source->state_.tenant) {
+      s->snapshot.push_back(source->state_);
+    }
   }
   source->epoch_ = epoch_;
 }
@@ -320,6 +324,7 @@ absl::StatusOr<std::unique_ptr<KvEventSubscription>> KvEventLog::Subscribe(
                        " events behind; a subscriber may be at most ", max_backlog_, " behind");
   }
   auto state = std::make_unique<Subscriber>();
+  state->tenant = tenant;
   if (why.empty()) {
     state->next_id = after + 1;
     state->as_of = after;
@@ -377,6 +382,7 @@ KvEventSubscription::Poll KvEventLog::NextLocked(Subscriber* s, KvEvent* out) {
         KvSequenceState& entry = s->snapshot[s->snapshot_next++];
         out->kind = KvEventKind::kSnapshot;
         out->sequence_id = std::move(entry.sequence_id);
+        out->tenant = std::move(entry.tenant);
         out->prefill_len = entry.prefill_len;
         out->budget = entry.budget;
         out->policy = std::move(entry.policy);
@@ -392,15 +398,16 @@ KvEventSubscription::Poll KvEventLog::NextLocked(Subscriber* s, KvEvent* out) {
       s->phase = SubscriberPhase::kLive;
       return Poll::kEvent;
     case SubscriberPhase::kLive:
-      // Tenants: once sequences carry a tenant, skip here the events of tenants other than
-      // a non-empty KvEventSubscription::tenant().
-      if (s->next_id > newest_) {
-        s->armed = true;
-        return Poll::kNothing;
+      // Other tenants' events are skipped: a subscriber sees only its own sequences.
+      while (s->next_id <= newest_) {
+        const KvEvent& event = ring_[(s->next_id - 1) % ring_.size()];
+        ++s->next_id;
+        if (event.tenant != s->tenant) continue;
+        *out = event;
+        return Poll::kEvent;
       }
-      *out = ring_[(s->next_id - 1) % ring_.size()];
-      ++s->next_id;
-      return Poll::kEvent;
+      s->armed = true;
+      return Poll::kNothing;
     case SubscriberPhase::kEnded:
       break;
   }

@@ -82,6 +82,7 @@ struct KvEvent {
   int64_t unix_micros = 0;
   KvEventKind kind = KvEventKind::kStep;
   std::string sequence_id;  // empty for kResync and kSnapshotDone
+  std::string tenant;       // the sequence's tenant ("" without authentication)
   // kOpened and kSnapshot.
   int64_t prefill_len = 0;
   int64_t budget = 0;
@@ -107,6 +108,7 @@ struct KvEvent {
 // A sequence as a snapshot shows it (the fields of a kSnapshot event).
 struct KvSequenceState {
   std::string sequence_id;
+  std::string tenant;  // who opened it: a subscriber sees only its own tenant's sequences
   int64_t prefill_len = 0;
   int64_t budget = 0;
   std::string policy;
@@ -218,8 +220,8 @@ class KvEventSubscription {
   // Why Next returned kEnded: ABORTED (it fell behind and was dropped) or UNAVAILABLE (the
   // log ended every subscription: the daemon drains).
   absl::Status end_status() const;
-  // Hook for tenants (not yet in the engine): once sequences carry a tenant, a subscriber
-  // with a non-empty tenant gets only that tenant's events. "" today: every event.
+  // The subscriber gets only the events (and snapshot entries) of this tenant's
+  // sequences; event ids stay the daemon's, so it sees gaps where others' events were.
   const std::string& tenant() const { return tenant_; }
 
  private:

@@ -14,10 +14,12 @@ namespace {
 // The sequence's KV events as it opens, or null without a log.
 std::unique_ptr<KvSequenceEvents> MakeEvents(KvEventLog* log, const Sequence& s,
                                              int32_t tp_world_size,
-                                             const std::optional<SequenceKv>& kv) {
+                                             const std::optional<SequenceKv>& kv,
+                                             const std::string& tenant) {
   if (log == nullptr) return nullptr;
   KvSequenceState state;
   state.sequence_id = s.id();
+  state.tenant = tenant;
   state.prefill_len = s.prefill_len();
   state.budget = s.budget();
   state.policy = s.policy().preset.empty() ? "custom" : s.policy().preset;
@@ -35,14 +37,15 @@ std::unique_ptr<KvSequenceEvents> MakeEvents(KvEventLog* log, const Sequence& s,
 SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
                            kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv,
                            SlotLimits limits, int64_t charged_bytes, absl::Time now,
-                           KvEventLog* events)
+                           KvEventLog* events, std::string tenant)
     : score_dtype_(score_dtype),
       tp_world_size_(tp_world_size),
+      tenant_(std::move(tenant)),
       limits_(limits),
       sequence_(std::move(sequence)),
       join_(tp_world_size),
       kv_(std::move(kv)),
-      events_(MakeEvents(events, *sequence_, tp_world_size, kv_)),
+      events_(MakeEvents(events, *sequence_, tp_world_size, kv_, tenant_)),
       memory_bytes_(charged_bytes),
       last_active_(now) {
   MutexLock lock(&mu_);
@@ -272,6 +275,7 @@ SequenceInfo SequenceSlot::SnapshotLocked(bool with_cache) const {
   const Sequence& s = *sequence_;
   SequenceInfo info;
   info.id = s.id();
+  info.tenant = tenant_;
   info.score_dtype = score_dtype_;
   info.prefill_len = s.prefill_len();
   info.budget = s.budget();

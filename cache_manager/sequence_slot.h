@@ -63,6 +63,8 @@ struct SlotLimits {
 // A snapshot of one sequence.
 struct SequenceInfo {
   std::string id;
+  // The tenant that opened it ("" without authentication): ids are unique per tenant.
+  std::string tenant;
   kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32;
   int64_t prefill_len = 0;
   int64_t budget = 0;
@@ -91,10 +93,12 @@ class SequenceSlot {
   // `kv` is the sequence's lease (nullopt without pools). `charged_bytes`: what was taken
   // from `limits.memory_budget` for the sequence before it was built; the slot owns them
   // from now on, keeps them equal to what it holds, and gives them back when destroyed.
-  // `events` (null: no KV events) must outlive the slot.
+  // `events` (null: no KV events) must outlive the slot. `tenant`: who opened it (its
+  // snapshots and events carry it).
   SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_size,
                kernels::ScoreDtype score_dtype, std::optional<SequenceKv> kv, SlotLimits limits,
-               int64_t charged_bytes, absl::Time now, KvEventLog* events = nullptr);
+               int64_t charged_bytes, absl::Time now, KvEventLog* events = nullptr,
+               std::string tenant = "");
   ~SequenceSlot();
 
   SequenceSlot(const SequenceSlot&) = delete;
@@ -102,6 +106,7 @@ class SequenceSlot {
 
   kernels::ScoreDtype score_dtype() const { return score_dtype_; }
   int32_t tp_world_size() const { return tp_world_size_; }
+  const std::string& tenant() const { return tenant_; }
 
   // One rank's report for the sequence's next step. A single-rank sequence accepts
   // already pooled scores (head_count 0, stepped in place without a copy) or a head sum
@@ -187,6 +192,7 @@ class SequenceSlot {
 
   const kernels::ScoreDtype score_dtype_;
   const int32_t tp_world_size_;
+  const std::string tenant_;
   const SlotLimits limits_;
   mutable Mutex mu_;
   std::unique_ptr<Sequence> sequence_ ABSL_GUARDED_BY(mu_);

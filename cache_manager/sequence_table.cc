@@ -54,16 +54,39 @@ SequenceTable::~SequenceTable() {
     MutexLock lock(&mu_);
     slots.swap(slots_);
   }
-  for (auto& [id, slot] : slots) {
+  for (auto& [key, slot] : slots) {
     if (slot == nullptr) continue;
-    slot->Close(absl::AbortedError(absl::StrCat("sequence '", id, "': the table was destroyed")),
+    slot->Close(absl::AbortedError(absl::StrCat("sequence '", slot->Peek().id,
+                                                "': the table was destroyed")),
                 "shutdown");
   }
 }
 
-std::shared_ptr<SequenceSlot> SequenceTable::Find(absl::string_view id) const {
+std::string SequenceTable::Key(absl::string_view tenant, absl::string_view id) {
+  return absl::StrCat(tenant.size(), ":", tenant, id);
+}
+
+ByteBudget* SequenceTable::TenantBudgetLocked(absl::string_view tenant) {
+  if (options_.tenant_memory_limit_bytes <= 0) return &memory_budget_;
+  TenantUsage& usage = tenants_[tenant];
+  if (usage.memory == nullptr) {
+    usage.memory = std::make_unique<ByteBudget>(
+        options_.tenant_memory_limit_bytes, "--tenant_memory_share", &memory_budget_,
+        absl::StrCat("tenant '", tenant, "'"));
+  }
+  return usage.memory.get();
+}
+
+void SequenceTable::ForgetLocked(absl::string_view tenant) {
+  auto it = tenants_.find(tenant);
+  if (it != tenants_.end()) --it->second.sequences;
+}
+
+std::shared_ptr<SequenceSlot> SequenceTable::Find(absl::string_view tenant,
+                                                  absl::string_view id) const {
+  const std::string key = Key(tenant, id);
   ReaderMutexLock lock(&mu_);
-  auto it = slots_.find(id);
+  auto it = slots_.find(key);
   return it == slots_.end() ? nullptr : it->second;
 }
 
@@ -83,10 +106,14 @@ absl::Status SequenceTable::NotFound(absl::string_view id) const {
   return absl::NotFoundError(absl::StrCat("sequence '", id, "' is not open"));
 }
 
-void SequenceTable::Erase(absl::string_view id, const SequenceSlot* slot) {
+void SequenceTable::Erase(absl::string_view tenant, absl::string_view key,
+                          const SequenceSlot* slot) {
   MutexLock lock(&mu_);
-  auto it = slots_.find(id);
-  if (it != slots_.end() && it->second.get() == slot) slots_.erase(it);
+  auto it = slots_.find(key);
+  if (it != slots_.end() && it->second.get() == slot) {
+    slots_.erase(it);
+    ForgetLocked(tenant);
+  }
 }
 
 SequenceOptions SequenceTable::WithEngine(const SequenceOptions& options) const {
@@ -100,7 +127,8 @@ SequenceOptions SequenceTable::WithEngine(const SequenceOptions& options) const 
 absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
                                                  const SequenceOptions& options,
                                                  int32_t tp_world_size,
-                                                 kernels::ScoreDtype score_dtype) {
+                                                 kernels::ScoreDtype score_dtype,
+                                                 absl::string_view tenant) {
   RETURN_IF_ERROR(CheckSequenceId(id));
   if (tp_world_size < 1 || tp_world_size > options_.max_tp_world_size) {
     return absl::InvalidArgumentError(
@@ -115,9 +143,11 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   }
   // Reserve the id before building anything: a duplicate or a full table is refused
   // without allocating the engine state or leasing KV memory.
+  const std::string key = Key(tenant, id);
+  ByteBudget* budget = nullptr;
   {
     MutexLock lock(&mu_);
-    if (slots_.contains(id)) {
+    if (slots_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' is already open"));
     }
     if (static_cast<int64_t>(slots_.size()) >= options_.max_sequences) {
@@ -125,7 +155,16 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
           "sequence '", id, "': the table already holds the maximum of ",
           options_.max_sequences, " sequences; close some first"));
     }
-    slots_.emplace(id, nullptr);
+    const int64_t held = tenants_.contains(tenant) ? tenants_[tenant].sequences : 0;
+    if (options_.tenant_max_sequences > 0 && held >= options_.tenant_max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "sequence '", id, "': tenant '", tenant, "' already holds its maximum of ",
+          options_.tenant_max_sequences, " sequences (--tenant_max_sequences): 1 asked, 0 "
+          "left; close some first"));
+    }
+    budget = TenantBudgetLocked(tenant);
+    ++tenants_[tenant].sequences;
+    slots_.emplace(key, nullptr);
   }
   // The engine state's memory is taken before it is allocated, so that a refused Open
   // allocates nothing. It is sized by the prefill, the cache the sequence holds now; it
@@ -135,16 +174,16 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
       engine_options.backend != nullptr ? *engine_options.backend : kernels::CpuBackend();
   const int64_t state_bytes = MomentumState::BytesFor(options.prefill_len + 1, backend);
   const ByteBudget* refused = nullptr;
-  if (!memory_budget_.TryTake(state_bytes, &refused)) {
-    Erase(id, nullptr);
+  if (!budget->TryTake(state_bytes, &refused)) {
+    Erase(tenant, key, nullptr);
     return absl::ResourceExhaustedError(absl::StrCat(
         "sequence '", id, "': its prefill of ", options.prefill_len, " tokens needs ",
         state_bytes, " bytes of engine state: ", refused->Refusal(state_bytes),
         "; close sequences or raise the limit"));
   }
   const auto unreserve = [&] {
-    memory_budget_.Give(state_bytes);
-    Erase(id, nullptr);
+    budget->Give(state_bytes);
+    Erase(tenant, key, nullptr);
   };
   // Built outside the registry lock: the prefill cache of a long context takes a moment.
   absl::StatusOr<std::unique_ptr<Sequence>> sequence;
@@ -174,10 +213,10 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
     }
     kv.emplace(*std::move(lease));
   }
-  const SlotLimits limits{&join_budget_, &memory_budget_, options_.max_sequence_tokens};
+  const SlotLimits limits{&join_budget_, budget, options_.max_sequence_tokens};
   auto slot = std::make_shared<SequenceSlot>(*std::move(sequence), tp_world_size, score_dtype,
                                              std::move(kv), limits, state_bytes, clock_->Now(),
-                                             options_.kv_events);
+                                             options_.kv_events, std::string(tenant));
   SequenceInfo info = slot->Peek();
   if (options_.kv_events != nullptr) {
     // Opened before the slot is findable (so before any of its steps), while snapshots
@@ -192,19 +231,22 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   if (options_.kv_events != nullptr) {
     in_transit_.erase(std::find(in_transit_.begin(), in_transit_.end(), slot));
   }
-  slots_[id] = std::move(slot);
+  slots_[key] = std::move(slot);
   return info;
 }
 
-absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id) {
+absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id,
+                                                  absl::string_view tenant) {
   std::vector<std::pair<std::string, std::shared_ptr<SequenceSlot>>> removed;
   {
+    const std::string key = Key(tenant, id);
     MutexLock lock(&mu_);
-    auto it = slots_.find(id);
+    auto it = slots_.find(key);
     if (it == slots_.end() || it->second == nullptr) return NotFound(id);
     if (options_.kv_events != nullptr) in_transit_.push_back(it->second);
     removed.emplace_back(std::string(id), std::move(it->second));
     slots_.erase(it);
+    ForgetLocked(tenant);
   }
   return std::move(CloseRemoved(std::move(removed), "was closed", "client").front());
 }
@@ -255,43 +297,56 @@ absl::StatusOr<std::unique_ptr<KvEventSubscription>> SequenceTable::SubscribeKvE
   return subscription;
 }
 
-absl::StatusOr<kernels::ScoreDtype> SequenceTable::DefaultScoreDtype(absl::string_view id) const {
-  std::shared_ptr<SequenceSlot> slot = Find(id);
+absl::StatusOr<kernels::ScoreDtype> SequenceTable::DefaultScoreDtype(
+    absl::string_view id, absl::string_view tenant) const {
+  std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
   if (slot == nullptr) return NotFound(id);
   return slot->score_dtype();
 }
 
 absl::Status SequenceTable::Step(absl::string_view id, int64_t step,
                                  const kernels::ScoreMatrix* scores,
-                                 EvictionDecision* decision) {
-  std::shared_ptr<SequenceSlot> slot = Find(id);
+                                 EvictionDecision* decision, absl::string_view tenant) {
+  std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
   if (slot == nullptr) return NotFound(id);
   return slot->Step(step, scores, decision, clock_->Now());
 }
 
 absl::Status SequenceTable::SubmitRankReport(absl::string_view id, const RankReport& report,
-                                             DecisionWaiter waiter) {
-  std::shared_ptr<SequenceSlot> slot = Find(id);
+                                             DecisionWaiter waiter, absl::string_view tenant) {
+  std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
   if (slot == nullptr) return NotFound(id);
   return slot->Submit(report, waiter, clock_->Now());
 }
 
 absl::Status SequenceTable::SubmitRankReport(absl::string_view id, const RankReport& report,
-                                             RankDecisionCallback on_decided) {
+                                             RankDecisionCallback on_decided,
+                                             absl::string_view tenant) {
   auto* sink = new CallbackSink(std::move(on_decided));
-  absl::Status status = SubmitRankReport(id, report, DecisionWaiter{sink, 0});
+  absl::Status status = SubmitRankReport(id, report, DecisionWaiter{sink, 0}, tenant);
   if (!status.ok()) sink->Discard();  // refused: the callback is never called
   return status;
 }
 
 absl::StatusOr<SequenceInfo> SequenceTable::Inspect(absl::string_view id,
-                                                    bool with_cache) const {
-  std::shared_ptr<SequenceSlot> slot = Find(id);
+                                                    bool with_cache,
+                                                    absl::string_view tenant) const {
+  std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
   if (slot == nullptr) return NotFound(id);
   return slot->Snapshot(with_cache, clock_->Now());
 }
 
-std::vector<SequenceInfo> SequenceTable::List() const {
+std::vector<SequenceInfo> SequenceTable::List(absl::string_view tenant) const {
+  std::vector<SequenceInfo> out;
+  for (const auto& slot : AllSlots()) {
+    if (slot->tenant() != tenant) continue;
+    SequenceInfo info = slot->Peek();
+    if (!slot->closed()) out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::vector<SequenceInfo> SequenceTable::ListEveryTenant() const {
   std::vector<SequenceInfo> out;
   for (const auto& slot : AllSlots()) {
     SequenceInfo info = slot->Peek();
@@ -331,7 +386,9 @@ std::vector<SequenceInfo> SequenceTable::ReclaimIdle(absl::Duration idle_timeout
     for (auto it = slots_.begin(); it != slots_.end();) {
       if (it->second != nullptr && it->second->IdleSince(cutoff)) {
         if (options_.kv_events != nullptr) in_transit_.push_back(it->second);
-        idle.emplace_back(it->first, std::move(it->second));
+        ForgetLocked(it->second->tenant());
+        std::string id = it->second->Peek().id;
+        idle.emplace_back(std::move(id), std::move(it->second));
         slots_.erase(it++);
       } else {
         ++it;

@@ -24,6 +24,7 @@
 #include "kernels/backend.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "cache_manager/budget.h"
 #include "cache_manager/clock.h"
 #include "cache_manager/diagnostics.h"
 #include "cache_manager/eviction_decision.h"
@@ -46,6 +47,12 @@ absl::Status CheckSequenceId(absl::string_view id);
 
 struct SequenceTableOptions {
   int64_t max_sequences = 65536;
+  // Per tenant (SequenceInfo::tenant): the most sequences one tenant holds open (0: only
+  // max_sequences), and the bytes of memory_limit_bytes one tenant's engine state may hold
+  // (0: only memory_limit_bytes). Past either, its Open (or growing step) is refused with
+  // RESOURCE_EXHAUSTED naming the tenant, and the other tenants are not affected.
+  int64_t tenant_max_sequences = 0;
+  int64_t tenant_memory_limit_bytes = 0;
   int32_t max_tp_world_size = 64;
   // The most tokens one sequence may hold over its life, prefill plus decode: a longer
   // prefill is refused at Open, a step past it with RESOURCE_EXHAUSTED.
@@ -87,6 +94,10 @@ struct SequenceTableTotals {
 // on the thread of the report that completed the step (or of the Close/ReclaimIdle).
 using RankDecisionCallback = absl::AnyInvocable<void(const absl::StatusOr<EvictionDecision>&)>;
 
+// Tenants. Every sequence belongs to the tenant that opened it: ids are unique per tenant,
+// and a call naming a sequence finds only the caller's own (another tenant's is NOT_FOUND
+// with exactly the message of an id that is not open). The tenant is a name the server
+// authenticated; "" when it authenticates nobody.
 class SequenceTable {
  public:
   explicit SequenceTable(SequenceTableOptions options = {});
@@ -100,33 +111,41 @@ class SequenceTable {
   // (the id is reserved meanwhile), then the engine state is built and the KV leased.
   // Errors: INVALID_ARGUMENT (options, id, world size), ALREADY_EXISTS,
   // RESOURCE_EXHAUSTED (max_sequences reached, or a KV pool full).
+  // RESOURCE_EXHAUSTED also at the tenant's limits (tenant_max_sequences,
+  // tenant_memory_limit_bytes); a refused Open changes nothing.
   absl::StatusOr<SequenceInfo> Open(
       std::string id, const SequenceOptions& options, int32_t tp_world_size = 1,
-      kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32);
+      kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32,
+      absl::string_view tenant = "");
 
   // Forgets a sequence and returns its last snapshot; a pending tensor-parallel step is
   // abandoned (ABORTED to its waiting ranks). NOT_FOUND when unknown.
-  absl::StatusOr<SequenceInfo> Close(absl::string_view id);
+  absl::StatusOr<SequenceInfo> Close(absl::string_view id, absl::string_view tenant = "");
 
   // The score dtype a sequence's reports carry unless they say otherwise.
-  absl::StatusOr<kernels::ScoreDtype> DefaultScoreDtype(absl::string_view id) const;
+  absl::StatusOr<kernels::ScoreDtype> DefaultScoreDtype(absl::string_view id,
+                                                        absl::string_view tenant = "") const;
 
   // One step of a single-rank sequence with already pooled scores (see Sequence::Step).
   // `decision` is overwritten and its capacity reused. NOT_FOUND when unknown;
   // FAILED_PRECONDITION when the sequence is tensor-parallel.
   absl::Status Step(absl::string_view id, int64_t step, const kernels::ScoreMatrix* scores,
-                    EvictionDecision* decision);
+                    EvictionDecision* decision, absl::string_view tenant = "");
 
   // One rank's report for a step of a sequence: SequenceSlot::Submit. NOT_FOUND when the
   // id is not open.
   absl::Status SubmitRankReport(absl::string_view id, const RankReport& report,
-                                DecisionWaiter waiter);
+                                DecisionWaiter waiter, absl::string_view tenant = "");
   absl::Status SubmitRankReport(absl::string_view id, const RankReport& report,
-                                RankDecisionCallback on_decided);
+                                RankDecisionCallback on_decided, absl::string_view tenant = "");
 
   // A snapshot; `with_cache` adds the cached positions and their momentum.
-  absl::StatusOr<SequenceInfo> Inspect(absl::string_view id, bool with_cache) const;
-  std::vector<SequenceInfo> List() const;
+  absl::StatusOr<SequenceInfo> Inspect(absl::string_view id, bool with_cache,
+                                       absl::string_view tenant = "") const;
+  // The tenant's own sequences.
+  std::vector<SequenceInfo> List(absl::string_view tenant = "") const;
+  // Every tenant's (the daemon's own gauges).
+  std::vector<SequenceInfo> ListEveryTenant() const;
   SequenceTableTotals Totals() const;
   // Bytes of partial sums held by pending tensor-parallel steps.
   int64_t pending_join_bytes() const { return join_budget_.used(); }
@@ -161,14 +180,28 @@ class SequenceTable {
  private:
   // `options` with the table's engine backend when they name none.
   SequenceOptions WithEngine(const SequenceOptions& options) const;
-  // The slot of an open id, or null (unknown, or still being opened).
-  std::shared_ptr<SequenceSlot> Find(absl::string_view id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // What a tenant's limits count: its open (and opening) sequences, and its engine state
+  // (null without tenant_memory_limit_bytes; a child of memory_budget_).
+  struct TenantUsage {
+    int64_t sequences = 0;
+    std::unique_ptr<ByteBudget> memory;
+  };
+  // The key of slots_: tenant and id, unambiguous for any bytes in either.
+  static std::string Key(absl::string_view tenant, absl::string_view id);
+  // The budget a tenant's sequences take memory from: its own, or memory_budget_.
+  ByteBudget* TenantBudgetLocked(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The slot of an open id of `tenant`, or null (unknown, or still being opened).
+  std::shared_ptr<SequenceSlot> Find(absl::string_view tenant, absl::string_view id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<std::shared_ptr<SequenceSlot>> AllSlots() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status NotFound(absl::string_view id) const;
-  // Removes `id` when it still maps to `slot`.
-  void Erase(absl::string_view id, const SequenceSlot* slot) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes `key` when it still maps to `slot`, and counts it out of `tenant`'s sequences.
+  void Erase(absl::string_view tenant, absl::string_view key, const SequenceSlot* slot)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetLocked(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes slots already taken out of slots_ (with events, listed in in_transit_ until
-  // their Closed event is appended) and returns their last snapshots.
+  // their Closed event is appended) and returns their last snapshots. The strings are the
+  // sequences' ids (for messages), not keys.
   std::vector<SequenceInfo> CloseRemoved(
       std::vector<std::pair<std::string, std::shared_ptr<SequenceSlot>>> removed,
       absl::string_view message, absl::string_view reason) ABSL_LOCKS_EXCLUDED(mu_);
@@ -178,8 +211,11 @@ class SequenceTable {
   ByteBudget memory_budget_;
   ByteBudget join_budget_;  // its parent is memory_budget_
   mutable Mutex mu_;
-  // A null slot reserves an id whose Open is still building it.
+  // By Key(tenant, id). A null slot reserves an id whose Open is still building it.
   absl::flat_hash_map<std::string, std::shared_ptr<SequenceSlot>> slots_ ABSL_GUARDED_BY(mu_);
+  // Tenants that hold or held sequences; an entry is kept (its budget may still be
+  // referred to by a closing slot) and is small: tenants are the tokens file's names.
+  absl::flat_hash_map<std::string, TenantUsage> tenants_ ABSL_GUARDED_BY(mu_);
   // With events, the slots a snapshot must see besides slots_ (kv_events.h): opening ones
   // (Opened appended, or about to be, and not findable yet) and closing ones (removed from
   // slots_, Closed not appended yet).

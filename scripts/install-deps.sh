@@ -11,6 +11,7 @@ packages=(
   python3 python3-grpcio python3-protobuf python3-pytest python3-yaml python3-numpy
   python3-torch libopenblas0-pthread python3-matplotlib
   prometheus yamllint unzip
+  openssl libssl-dev
 )
 # Helm comes from an npm package at test time (tests/deploy); npm is on the machine image,
 # Debian's package is the fallback.

@@ -1,13 +1,16 @@
 #include "server/daemon.h"
 
 #include <malloc.h>
+#include <grp.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <thread>
 
@@ -25,9 +28,11 @@
 #include "kernels/cuda/cuda_backend.h"
 #endif
 #include "cache_manager/status_macros.h"
+#include "server/auth.h"
 #include "server/health_service.h"
 #include "server/kvcache_service.h"
 #include "server/tcp_listener.h"
+#include "server/tls.h"
 #include "server/translate.h"
 
 namespace kvcm::server {
@@ -110,6 +115,32 @@ absl::StatusOr<const kernels::KernelBackend*> EngineKernels(const ServerOptions&
 #endif
 }
 
+// The id of group `name` (--listen_group); INVALID_ARGUMENT when there is none.
+absl::StatusOr<gid_t> GroupId(const std::string& name) {
+  group entry{};
+  group* found = nullptr;
+  std::vector<char> buffer(16384);
+  const int e = getgrnam_r(name.c_str(), &entry, buffer.data(), buffer.size(), &found);
+  if (e != 0 || found == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen_group ", name, ": no such group on this machine"));
+  }
+  return found->gr_gid;
+}
+
+// Mode 0660 on the unix socket at `path`, and group `gid` unless it is -1.
+absl::Status SecureSocketFile(const std::string& path, gid_t gid) {
+  if (gid != static_cast<gid_t>(-1) && chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "--listen_group: cannot give ", path, " to group ", gid, ": ", std::strerror(errno)));
+  }
+  if (chmod(path.c_str(), 0660) != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot make ", path, " mode 0660: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view EngineBackendName(EngineBackend backend) {
@@ -170,6 +201,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
                                                   std::string(KvBackendName(options.backend)));
   SequenceTableOptions table_options;
   table_options.max_sequences = options.max_sequences;
+  table_options.tenant_max_sequences = options.tenant_max_sequences;
+  if (options.tenant_memory_share < 1.0) {
+    table_options.tenant_memory_limit_bytes = static_cast<int64_t>(
+        static_cast<double>(options.memory_limit_bytes) * options.tenant_memory_share);
+  }
   table_options.max_tp_world_size = options.max_tp_world_size;
   table_options.kv_pools = d->pools_.get();
   table_options.max_pending_join_bytes = options.max_pending_join_bytes;
@@ -222,23 +258,38 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         ports.empty() ? options.metrics_listen : WithPort(options.metrics_listen, ports[0]);
   }
 
+  if (!options.auth_tokens_file.empty()) {
+    ASSIGN_OR_RETURN(TokenSet tokens, ReadTokensFile(options.auth_tokens_file));
+    std::fprintf(stderr, "kvcached: %zu bearer token(s) from --auth_tokens_file\n",
+                 tokens.size());
+    d->tokens_ = std::make_unique<BearerTokens>(std::move(tokens));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   ServerCredentialsFor(options));
+  const bool unix_socket = absl::StartsWith(options.listen, "unix:");
+  gid_t listen_gid = static_cast<gid_t>(-1);
+  if (!options.listen_group.empty()) {
+    if (!unix_socket) {
+      return absl::InvalidArgumentError("--listen_group applies to a unix: --listen only");
+    }
+    ASSIGN_OR_RETURN(listen_gid, GroupId(options.listen_group));
+  }
   d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->pools_.get(),
                                                  d->executor_.get(), d->regions_.get(),
-                                                 d->metrics_.get());
+                                                 d->metrics_.get(), d->tokens_.get());
   d->health_ = std::make_unique<HealthService>();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
-  if (absl::StartsWith(options.listen, "unix:")) {
-    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  if (unix_socket) {
+    builder.AddListeningPort(options.listen, credentials, &port);
   } else {
     // Our own accept loop (server/tcp_listener.h): a connection limit, and no wedge after
-    // an EMFILE.
+    // an EMFILE. The TLS handshake, if any, is gRPC's, on the fds it is handed.
     ASSIGN_OR_RETURN(d->tcp_listener_, TcpListener::Bind(options.listen, options.max_connections));
     acceptor = builder.experimental().AddExternalConnectionAcceptor(
-        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
-        grpc::InsecureServerCredentials());
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   }
   builder.RegisterService(d->service_.get());
   builder.RegisterService(d->health_.get());
@@ -259,7 +310,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
   builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20);
   builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 8 << 20);
-  d->server_ = builder.BuildAndStart();
+  {
+    // gRPC makes the socket file with the process's umask: make it 0660 from its first
+    // moment (not world-writable), then give it to --listen_group.
+    const mode_t umask_before = unix_socket ? umask(0117) : 0;
+    d->server_ = builder.BuildAndStart();
+    if (unix_socket) umask(umask_before);
+  }
+  if (unix_socket && d->server_ != nullptr) {
+    RETURN_IF_ERROR(SecureSocketFile(options.listen.substr(5), listen_gid));
+  }
   if (d->tcp_listener_ != nullptr && d->server_ != nullptr) {
     port = d->tcp_listener_->port();
     d->tcp_listener_->Start(std::move(acceptor));
@@ -312,9 +372,12 @@ void Daemon::ProbeLoop() {
   bool accepting = true;
   while (!stop_prober_.WaitForNotificationWithTimeout(options_.listener_probe_interval)) {
     const absl::Status probed =
-        ProbeListener(grpc_address_, options_.listener_probe_timeout, [this](int local_port) {
-          if (tcp_listener_ != nullptr) tcp_listener_->ExpectProbe(local_port);
-        });
+        ProbeListener(
+            grpc_address_, options_.listener_probe_timeout,
+            [this](int local_port) {
+              if (tcp_listener_ != nullptr) tcp_listener_->ExpectProbe(local_port);
+            },
+            /*tls=*/!options_.tls_cert_file.empty());
     if (probed.ok() == accepting) continue;
     accepting = probed.ok();
     if (accepting) {
@@ -325,6 +388,15 @@ void Daemon::ProbeLoop() {
     }
     ForEachHealth([accepting](HealthService& health) { health.SetListenerAccepting(accepting); });
   }
+}
+
+absl::Status Daemon::ReloadAuthTokens() {
+  if (tokens_ == nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(TokenSet tokens, ReadTokensFile(options_.auth_tokens_file));
+  const size_t count = tokens.size();
+  tokens_->Replace(std::move(tokens));
+  std::fprintf(stderr, "kvcached: SIGHUP: %zu bearer token(s) from --auth_tokens_file\n", count);
+  return absl::OkStatus();
 }
 
 void Daemon::ReclaimLoop() {

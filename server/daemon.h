@@ -29,6 +29,7 @@ class Exposer;
 
 namespace kvcm::server {
 
+class BearerTokens;
 class HealthService;
 class KvCacheService;
 class TcpListener;
@@ -54,6 +55,10 @@ class Daemon {
   // included) keep being served until their clients end them, and whatever still runs at
   // `deadline` is cancelled. Returns when the server has stopped. Idempotent.
   void Drain(absl::Duration deadline);
+
+  // SIGHUP: reads --auth_tokens_file again. A file that does not parse keeps the tokens in
+  // force and returns why; OK (and does nothing) without the flag.
+  absl::Status ReloadAuthTokens();
 
   SequenceTable& table() { return *table_; }
   ServerMetrics& metrics() { return *metrics_; }
@@ -83,6 +88,7 @@ class Daemon {
   std::unique_ptr<ScoreRegions> regions_;  // with --allow_shm_scores
   std::shared_ptr<TableGauges> table_gauges_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<BearerTokens> tokens_;  // with --auth_tokens_file; before service_
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<HealthService> health_;
   std::unique_ptr<TcpListener> tcp_listener_;  // TCP listen addresses; before server_

@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/tls.h"
 
 namespace kvcm::server {
 
@@ -234,11 +235,18 @@ int ConnectTo(const std::string& address, absl::FunctionRef<void(int)> bound,
 }  // namespace
 
 absl::Status ProbeListener(const std::string& address, absl::Duration timeout,
-                           absl::FunctionRef<void(int local_port)> bound) {
+                           absl::FunctionRef<void(int local_port)> bound, bool tls) {
   const absl::Time deadline = absl::Now() + timeout;
   std::string error;
   const int fd = ConnectTo(address, bound, &error);
   if (fd < 0) return absl::UnavailableError(absl::StrCat("probe of ", address, ": ", error));
+  if (tls) {
+    const absl::Status handshake = TlsHandshake(fd, deadline);
+    close(fd);
+    if (handshake.ok()) return handshake;
+    return absl::Status(handshake.code(),
+                        absl::StrCat("probe of ", address, ": ", handshake.message()));
+  }
   // HTTP/2's client connection preface, then an empty SETTINGS frame (RFC 9113 3.4).
   static constexpr char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
   constexpr size_t kPrefaceBytes = sizeof(kPreface) - 1;

@@ -63,8 +63,11 @@ class HealthService final : public ::grpc::health::v1::Health::CallbackService {
 // within `timeout`. TCP: `bound(local_port)` runs between bind and connect (so that the
 // listener can tell the probe's connection from a client's). Blocks: never call it on a
 // gRPC thread. UNAVAILABLE or DEADLINE_EXCEEDED with what failed.
+// `tls`: the port speaks TLS; the probe then completes a TLS handshake instead (TlsHandshake,
+// server/tls.h), which needs no client certificate even under mTLS (a client certificate
+// is what an HTTP/2 exchange over it would need, and the daemon holds none of its clients').
 absl::Status ProbeListener(const std::string& address, absl::Duration timeout,
-                           absl::FunctionRef<void(int local_port)> bound);
+                           absl::FunctionRef<void(int local_port)> bound, bool tls = false);
 
 }  // namespace kvcm::server
 

@@ -98,10 +98,15 @@ void KvEventsReactor::Pump() {
       finish = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     } else {
       switch (subscription_->Next(&event_)) {
-        case KvEventSubscription::Poll::kEvent:
+        case KvEventSubscription::Poll::kEvent: {
           ToProto(event_, daemon_run_, &reply_);
+          bool own_buffer = false;
+          reply_bytes_.Clear();  // the last write is done: its bytes are free
+          (void)grpc::SerializationTraits<::kvcache::v1::KvEvent>::Serialize(
+              reply_, &reply_bytes_, &own_buffer);
           writing_ = write = true;
           break;
+        }
         case KvEventSubscription::Poll::kNothing:
           return;
         case KvEventSubscription::Poll::kEnded:
@@ -111,7 +116,7 @@ void KvEventsReactor::Pump() {
       }
     }
   }
-  if (write) StartWrite(&reply_);
+  if (write) StartWrite(&reply_bytes_);
   if (finish) Finish(*finish);
 }
 

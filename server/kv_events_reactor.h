@@ -22,6 +22,7 @@
 #include "cache_manager/mutex.h"
 #include "cache_manager/kv_events.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "kvcache/v1/kvcache.pb.h"
 
 namespace kvcm::server {
@@ -29,7 +30,8 @@ namespace kvcm::server {
 // The wire form of an event; `daemon_run` is the log's run().
 void ToProto(const KvEvent& event, absl::string_view daemon_run, ::kvcache::v1::KvEvent* out);
 
-class KvEventsReactor final : public grpc::ServerWriteReactor<::kvcache::v1::KvEvent> {
+// Writes serialized KvEvents: the service takes WatchKvEvents raw (kvcache_service.h).
+class KvEventsReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // `subscription` may be null when the call is refused (Start with a non-OK status).
   KvEventsReactor(std::unique_ptr<KvEventSubscription> subscription, std::string daemon_run);
@@ -52,7 +54,8 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<::kvcache::v1::KvE
   Mutex mu_;
   std::unique_ptr<KvEventSubscription> subscription_ ABSL_GUARDED_BY(mu_);
   KvEvent event_ ABSL_GUARDED_BY(mu_);  // reused
-  ::kvcache::v1::KvEvent reply_;  // filled under mu_; gRPC reads it until OnWriteDone
+  ::kvcache::v1::KvEvent reply_;  // filled under mu_
+  grpc::ByteBuffer reply_bytes_;  // reply_ serialized; gRPC reads it until OnWriteDone
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

@@ -43,19 +43,22 @@ void SerializeTo(const Message& message, grpc::ByteBuffer* out) {
   (void)grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
 }
 
-// A unary RPC on raw bytes: counts it, parses its Request (INVALID_ARGUMENT when it does
-// not parse), runs `handle(request, &response)` and sends the response when it is OK.
+// A unary RPC on raw bytes: counts it, checks the caller's token (`tenant`), parses its
+// Request (INVALID_ARGUMENT when it does not parse), runs `handle(request, tenant,
+// &response)` and sends the response when it is OK.
 template <typename Request, typename Response, typename Handler>
 grpc::ServerUnaryReactor* RawUnary(Rpc rpc, grpc::CallbackServerContext* context,
-                                   ServerMetrics* metrics, const grpc::ByteBuffer& raw_request,
+                                   ServerMetrics* metrics, const absl::StatusOr<std::string>& tenant,
+                                   const grpc::ByteBuffer& raw_request,
                                    grpc::ByteBuffer* raw_response, Handler handle) {
   UnaryCall call(rpc, context, metrics, static_cast<int64_t>(raw_request.Length()));
+  if (!tenant.ok()) return call.Finish(tenant.status());
   Request request;
   if (absl::Status parsed = ParseRequest(raw_request, &request); !parsed.ok()) {
     return call.Finish(parsed);
   }
   Response response;
-  absl::Status status = handle(request, &response);
+  absl::Status status = handle(request, *tenant, &response);
   if (status.ok()) SerializeTo(response, raw_response);
   return call.Finish(status);
 }
@@ -90,26 +93,40 @@ class UnaryStep final : public BatchCompletion {
 
 KvCacheService::KvCacheService(const ServerOptions& options, SequenceTable* table,
                                const KvPools* pools, StepExecutor* executor,
-                               ScoreRegions* regions, ServerMetrics* metrics)
+                               ScoreRegions* regions, ServerMetrics* metrics,
+                               const BearerTokens* tokens)
     : options_(options),
       table_(table),
       pools_(pools),
       regions_(regions),
       metrics_(metrics),
+      tokens_(tokens),
       processor_(table, executor, regions, metrics) {}
 
 KvCacheService::~KvCacheService() = default;
+
+absl::StatusOr<std::string> KvCacheService::Authenticate(
+    const grpc::CallbackServerContext* context) const {
+  if (tokens_ == nullptr) return std::string();
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  const absl::string_view value =
+      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(),
+                                                                      it->second.size());
+  return tokens_->TenantOf(value);
+}
 
 grpc::ServerUnaryReactor* KvCacheService::OpenSequence(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* raw_request,
                                                        grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::OpenSequenceRequest, v1::OpenSequenceResponse>(
-      Rpc::kOpenSequence, context, metrics_, *raw_request, raw_response,
-      [this](const v1::OpenSequenceRequest& request, v1::OpenSequenceResponse* response) {
+      Rpc::kOpenSequence, context, metrics_, Authenticate(context), *raw_request, raw_response,
+      [this](const v1::OpenSequenceRequest& request, const std::string& tenant,
+             v1::OpenSequenceResponse* response) {
         absl::StatusOr<OpenParams> params = FromProto(request);
         if (!params.ok()) return params.status();
         absl::StatusOr<SequenceInfo> info = table_->Open(
-            params->id, params->options, params->tp_world_size, params->score_dtype);
+            params->id, params->options, params->tp_world_size, params->score_dtype, tenant);
         if (!info.ok()) return info.status();
         metrics_->SequenceOpened(info->policy.preset);
         ToProto(*info, absl::Now(), response->mutable_state());
@@ -121,9 +138,10 @@ grpc::ServerUnaryReactor* KvCacheService::CloseSequence(grpc::CallbackServerCont
                                                         const grpc::ByteBuffer* raw_request,
                                                         grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::CloseSequenceRequest, v1::CloseSequenceResponse>(
-      Rpc::kCloseSequence, context, metrics_, *raw_request, raw_response,
-      [this](const v1::CloseSequenceRequest& request, v1::CloseSequenceResponse* response) {
-        absl::StatusOr<SequenceInfo> last = table_->Close(request.sequence_id());
+      Rpc::kCloseSequence, context, metrics_, Authenticate(context), *raw_request, raw_response,
+      [this](const v1::CloseSequenceRequest& request, const std::string& tenant,
+             v1::CloseSequenceResponse* response) {
+        absl::StatusOr<SequenceInfo> last = table_->Close(request.sequence_id(), tenant);
         if (!last.ok()) return last.status();
         metrics_->SequenceClosed(last->policy.preset, CloseReason::kClient);
         ToProto(last->stats, response->mutable_stats());
@@ -135,10 +153,12 @@ grpc::ServerUnaryReactor* KvCacheService::InspectSequence(grpc::CallbackServerCo
                                                           const grpc::ByteBuffer* raw_request,
                                                           grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::InspectSequenceRequest, v1::InspectSequenceResponse>(
-      Rpc::kInspectSequence, context, metrics_, *raw_request, raw_response,
-      [this](const v1::InspectSequenceRequest& request, v1::InspectSequenceResponse* response) {
+      Rpc::kInspectSequence, context, metrics_, Authenticate(context), *raw_request,
+      raw_response,
+      [this](const v1::InspectSequenceRequest& request, const std::string& tenant,
+             v1::InspectSequenceResponse* response) {
         absl::StatusOr<SequenceInfo> info =
-            table_->Inspect(request.sequence_id(), request.include_cache());
+            table_->Inspect(request.sequence_id(), request.include_cache(), tenant);
         if (!info.ok()) return info.status();
         ToProto(*info, absl::Now(), response->mutable_state());
         return absl::OkStatus();
@@ -146,24 +166,35 @@ grpc::ServerUnaryReactor* KvCacheService::InspectSequence(grpc::CallbackServerCo
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* context,
-                                                        const v1::ListSequencesRequest* request,
-                                                        v1::ListSequencesResponse* response) {
-  UnaryCall call(Rpc::kListSequences, context, metrics_, *request);
-  const absl::Time now = absl::Now();
-  for (const SequenceInfo& info : table_->List()) ToProto(info, now, response->add_sequences());
-  return call.Finish(absl::OkStatus());
+                                                        const grpc::ByteBuffer* raw_request,
+                                                        grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
+      Rpc::kListSequences, context, metrics_, Authenticate(context), *raw_request, raw_response,
+      [this](const v1::ListSequencesRequest& /*request*/, const std::string& tenant,
+             v1::ListSequencesResponse* response) {
+        const absl::Time now = absl::Now();
+        for (const SequenceInfo& info : table_->List(tenant)) {
+          ToProto(info, now, response->add_sequences());
+        }
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::DescribeKvPools(
-    grpc::CallbackServerContext* context, const v1::DescribeKvPoolsRequest* request,
-    v1::DescribeKvPoolsResponse* response) {
-  UnaryCall call(Rpc::kDescribeKvPools, context, metrics_, *request);
-  if (pools_ != nullptr) {
-    for (int32_t r = 0; r < pools_->ranks(); ++r) {
-      ToProto(pools_->pool(r), options_.backend, response->add_pools());
-    }
-  }
-  return call.Finish(absl::OkStatus());
+grpc::ServerUnaryReactor* KvCacheService::DescribeKvPools(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* raw_request,
+                                                          grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::DescribeKvPoolsRequest, v1::DescribeKvPoolsResponse>(
+      Rpc::kDescribeKvPools, context, metrics_, Authenticate(context), *raw_request,
+      raw_response,
+      [this](const v1::DescribeKvPoolsRequest& /*request*/, const std::string& /*tenant*/,
+             v1::DescribeKvPoolsResponse* response) {
+        if (pools_ != nullptr) {
+          for (int32_t r = 0; r < pools_->ranks(); ++r) {
+            ToProto(pools_->pool(r), options_.backend, response->add_pools());
+          }
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
@@ -173,13 +204,16 @@ grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* cont
   // itself cannot fail once the batch parsed.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto* call = new UnaryStep(reactor, raw_response);
-  if (absl::Status parsed = ParseRequest(*raw_request, &call->request()); !parsed.ok()) {
+  absl::StatusOr<std::string> tenant = Authenticate(context);
+  absl::Status refused = tenant.status();
+  if (refused.ok()) refused = ParseRequest(*raw_request, &call->request());
+  if (!refused.ok()) {
     metrics_->Request(Rpc::kStep, static_cast<int64_t>(raw_request->Length()));
-    metrics_->Error(Rpc::kStep, parsed.code());
-    call->Refuse(ToGrpc(parsed));
+    metrics_->Error(Rpc::kStep, refused.code());
+    call->Refuse(ToGrpc(refused));
     return reactor;
   }
-  processor_.Process(call->request(), /*tenant=*/"", Rpc::kStep, &call->batch(), call);
+  processor_.Process(call->request(), *tenant, Rpc::kStep, &call->batch(), call);
   return reactor;
 }
 
@@ -187,8 +221,9 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServ
                                                               const grpc::ByteBuffer* raw_request,
                                                               grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::RegisterScoreRegionRequest, v1::RegisterScoreRegionResponse>(
-      Rpc::kRegisterScoreRegion, context, metrics_, *raw_request, raw_response,
-      [this](const v1::RegisterScoreRegionRequest& request,
+      Rpc::kRegisterScoreRegion, context, metrics_, Authenticate(context), *raw_request,
+      raw_response,
+      [this](const v1::RegisterScoreRegionRequest& request, const std::string& tenant,
              v1::RegisterScoreRegionResponse* response) {
         if (regions_ == nullptr) {
           return absl::FailedPreconditionError(
@@ -196,7 +231,7 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServ
               "inline");
         }
         absl::StatusOr<uint64_t> region =
-            regions_->Register(/*tenant=*/"", request.name(), request.byte_size());
+            regions_->Register(tenant, request.name(), request.byte_size());
         if (!region.ok()) return region.status();
         response->set_region(*region);
         return absl::OkStatus();
@@ -204,25 +239,34 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServ
 }
 
 grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
-    grpc::CallbackServerContext* context, const v1::UnregisterScoreRegionRequest* request,
-    v1::UnregisterScoreRegionResponse* /*response*/) {
-  UnaryCall call(Rpc::kUnregisterScoreRegion, context, metrics_, *request);
-  if (regions_ == nullptr) {
-    return call.Finish(absl::FailedPreconditionError(
-        "kvcached runs without --allow_shm_scores: score regions are off"));
-  }
-  return call.Finish(regions_->Unregister(/*tenant=*/"", request->region()));
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+    grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::UnregisterScoreRegionRequest, v1::UnregisterScoreRegionResponse>(
+      Rpc::kUnregisterScoreRegion, context, metrics_, Authenticate(context), *raw_request,
+      raw_response,
+      [this](const v1::UnregisterScoreRegionRequest& request, const std::string& tenant,
+             v1::UnregisterScoreRegionResponse* /*response*/) {
+        if (regions_ == nullptr) {
+          return absl::FailedPreconditionError(
+              "kvcached runs without --allow_shm_scores: score regions are off");
+        }
+        return regions_->Unregister(tenant, request.region());
+      });
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::StepStream(
-    grpc::CallbackServerContext* /*context*/) {
+    grpc::CallbackServerContext* context) {
+  absl::StatusOr<std::string> tenant = Authenticate(context);
   auto* reactor = new StepStreamReactor(this, &processor_, metrics_,
-                                        options_.max_inflight_batches, /*tenant=*/"",
+                                        options_.max_inflight_batches,
+                                        tenant.ok() ? *tenant : std::string(),
                                         options_.stream_idle_timeout);
   grpc::Status refusal;
   {
     MutexLock lock(&mu_);
-    if (draining_) {
+    if (!tenant.ok()) {
+      refusal = ToGrpc(tenant.status());
+    } else if (draining_) {
       refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE,
                              "kvcached is draining; open the stream on another daemon");
     } else if (open_streams_ >= options_.max_streams) {
@@ -237,20 +281,24 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Ste
   return reactor;
 }
 
-grpc::ServerWriteReactor<v1::KvEvent>* KvCacheService::WatchKvEvents(
-    grpc::CallbackServerContext* /*context*/, const v1::WatchKvEventsRequest* request) {
-  metrics_->Request(Rpc::kWatchKvEvents, static_cast<int64_t>(request->ByteSizeLong()));
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvCacheService::WatchKvEvents(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
+  metrics_->Request(Rpc::kWatchKvEvents, static_cast<int64_t>(raw_request->Length()));
   KvEventLog* const log = table_->kv_events();
-  absl::Status refusal;
+  absl::StatusOr<std::string> tenant = Authenticate(context);
+  v1::WatchKvEventsRequest request;
+  absl::Status refusal = tenant.status();
+  if (refusal.ok()) refusal = ParseRequest(*raw_request, &request);
   std::unique_ptr<KvEventSubscription> subscription;
-  if (log == nullptr) {
+  if (!refusal.ok()) {
+    // Refused before anything else.
+  } else if (log == nullptr) {
     refusal = absl::FailedPreconditionError(
         "kvcached runs with --kv_events_ring=0: it keeps no KV events");
   } else {
-    // Tenants do not exist yet: every subscriber is tenant "" and sees every sequence.
-    // Once requests carry a tenant, pass it here (KvEventSubscription::tenant).
+    // The subscriber sees only its tenant's sequences (KvEventSubscription::tenant).
     absl::StatusOr<std::unique_ptr<KvEventSubscription>> subscribed = table_->SubscribeKvEvents(
-        request->after_event_id(), request->daemon_run(), /*tenant=*/"");
+        request.after_event_id(), request.daemon_run(), *tenant);
     if (subscribed.ok()) {
       subscription = *std::move(subscribed);
     } else {

@@ -8,7 +8,14 @@
 // The RPCs whose requests carry strings (sequence ids, region names) take their request
 // as bytes and parse it here (ParseRequest): a message gRPC fails to parse (a string that
 // is not valid UTF-8) would otherwise be answered UNIMPLEMENTED with no message, or end a
-// stream as if the client had closed it; here it is INVALID_ARGUMENT saying so.
+// stream as if the client had closed it; here it is INVALID_ARGUMENT saying so. Every RPC
+// takes its request as bytes for the same reason.
+//
+// Authentication: with bearer tokens (server/auth.h) every call is first checked
+// (UNAUTHENTICATED before its request is even parsed) and then runs as the token's tenant,
+// seeing only that tenant's sequences, events and score regions. A StepStream or
+// WatchKvEvents call is checked once, when it starts: a token removed later does not end
+// streams already open (their next call is refused).
 #ifndef KVCM_SERVER_KVCACHE_SERVICE_H_
 #define KVCM_SERVER_KVCACHE_SERVICE_H_
 
@@ -22,6 +29,7 @@
 #include "cache_manager/sequence_table.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/score_regions.h"
 #include "server/server_options.h"
@@ -37,11 +45,13 @@ using KvCache = ::kvcache::v1::KvCache;
 // plain Service: the raw StepStream cannot sit on top of CallbackService's typed one.
 using KvCacheServiceBase = KvCache::WithRawCallbackMethod_OpenSequence<
     KvCache::WithRawCallbackMethod_CloseSequence<KvCache::WithRawCallbackMethod_InspectSequence<
-        KvCache::WithCallbackMethod_ListSequences<KvCache::WithRawCallbackMethod_Step<
-            KvCache::WithRawCallbackMethod_StepStream<KvCache::WithCallbackMethod_DescribeKvPools<
-                KvCache::WithRawCallbackMethod_RegisterScoreRegion<
-                    KvCache::WithCallbackMethod_UnregisterScoreRegion<
-                        KvCache::WithCallbackMethod_WatchKvEvents<KvCache::Service>>>>>>>>>>;
+        KvCache::WithRawCallbackMethod_ListSequences<KvCache::WithRawCallbackMethod_Step<
+            KvCache::WithRawCallbackMethod_StepStream<
+                KvCache::WithRawCallbackMethod_DescribeKvPools<
+                    KvCache::WithRawCallbackMethod_RegisterScoreRegion<
+                        KvCache::WithRawCallbackMethod_UnregisterScoreRegion<
+                            KvCache::WithRawCallbackMethod_WatchKvEvents<
+                                KvCache::Service>>>>>>>>>>;
 }  // namespace internal
 
 // Parses `raw` into `out`; INVALID_ARGUMENT naming the message type when it does not
@@ -60,9 +70,11 @@ absl::Status ParseRequest(const grpc::ByteBuffer& raw, Message* out) {
 
 class KvCacheService final : public internal::KvCacheServiceBase {
  public:
-  // `pools` may be null (no KV pools), `regions` too (score regions not allowed).
+  // `pools` may be null (no KV pools), `regions` too (score regions not allowed), `tokens`
+  // too (no authentication: every caller is tenant "").
   KvCacheService(const ServerOptions& options, SequenceTable* table, const KvPools* pools,
-                 StepExecutor* executor, ScoreRegions* regions, ServerMetrics* metrics);
+                 StepExecutor* executor, ScoreRegions* regions, ServerMetrics* metrics,
+                 const BearerTokens* tokens = nullptr);
   ~KvCacheService() override;
 
   // Raw: OpenSequenceRequest, CloseSequenceRequest, InspectSequenceRequest in; their
@@ -77,28 +89,27 @@ class KvCacheService final : public internal::KvCacheServiceBase {
                                             const grpc::ByteBuffer* request,
                                             grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
-                                          const ::kvcache::v1::ListSequencesRequest* request,
-                                          ::kvcache::v1::ListSequencesResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   // Raw: a StepBatch in, a DecisionBatch out (the stream: one of each per message).
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StepStream(
       grpc::CallbackServerContext* context) override;
-  grpc::ServerUnaryReactor* DescribeKvPools(
-      grpc::CallbackServerContext* context, const ::kvcache::v1::DescribeKvPoolsRequest* request,
-      ::kvcache::v1::DescribeKvPoolsResponse* response) override;
+  grpc::ServerUnaryReactor* DescribeKvPools(grpc::CallbackServerContext* context,
+                                            const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
   // Raw: RegisterScoreRegionRequest in, RegisterScoreRegionResponse out.
   grpc::ServerUnaryReactor* RegisterScoreRegion(grpc::CallbackServerContext* context,
                                                 const grpc::ByteBuffer* request,
                                                 grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* UnregisterScoreRegion(
-      grpc::CallbackServerContext* context,
-      const ::kvcache::v1::UnregisterScoreRegionRequest* request,
-      ::kvcache::v1::UnregisterScoreRegionResponse* response) override;
-  grpc::ServerWriteReactor<::kvcache::v1::KvEvent>* WatchKvEvents(
-      grpc::CallbackServerContext* context,
-      const ::kvcache::v1::WatchKvEventsRequest* request) override;
+  grpc::ServerUnaryReactor* UnregisterScoreRegion(grpc::CallbackServerContext* context,
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) override;
+  // Raw: a WatchKvEventsRequest in, KvEvents out.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchKvEvents(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
 
   // Draining: new streams are refused; open ones keep being answered until their clients
   // close them (or the server's drain deadline cancels them). KV event watches end now.
@@ -108,11 +119,15 @@ class KvCacheService final : public internal::KvCacheServiceBase {
   void StreamDone();
 
  private:
+  // The caller's tenant: "" without tokens; UNAUTHENTICATED without a known token.
+  absl::StatusOr<std::string> Authenticate(const grpc::CallbackServerContext* context) const;
+
   const ServerOptions options_;
   SequenceTable* const table_;
   const KvPools* const pools_;
   ScoreRegions* const regions_;
   ServerMetrics* const metrics_;
+  const BearerTokens* const tokens_;
   StepBatchProcessor processor_;
   Mutex mu_;
   int64_t open_streams_ ABSL_GUARDED_BY(mu_) = 0;

@@ -103,6 +103,23 @@ ABSL_FLAG(absl::Duration, listener_probe_interval, absl::Seconds(10),
           "(0: no probe)");
 ABSL_FLAG(absl::Duration, listener_probe_timeout, absl::Seconds(5),
           "how long one self-probe of the listener may take");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "TLS on the gRPC port (TCP and unix): the server's PEM certificate chain (with "
+          "--tls_key_file; both or neither)");
+ABSL_FLAG(std::string, tls_key_file, "", "TLS: the server's PEM private key");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "mTLS: PEM CA certificate(s); every client must present a certificate they "
+          "signed (needs --tls_cert_file)");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "bearer tokens: one 'token tenant' pair a line ('#' comments); every kvcache.v1 "
+          "call then needs 'authorization: Bearer <token>' and runs as its tenant. Read "
+          "again on SIGHUP (grpc.health.v1 stays open)");
+ABSL_FLAG(int64_t, tenant_max_sequences, 0,
+          "most sequences one tenant holds open (0: only --max_sequences)");
+ABSL_FLAG(double, tenant_memory_share, 1.0,
+          "fraction of --memory_limit_bytes one tenant's sequences may hold, in (0, 1]");
+ABSL_FLAG(std::string, listen_group, "",
+          "a unix: --listen socket (mode 0660) is given to this group");
 
 #ifndef KVCM_VERSION
 #define KVCM_VERSION "0.0.0"
@@ -181,11 +198,13 @@ int main(int argc, char** argv) {
   // allocates nothing in steady state, so few arenas cost it no contention.
   mallopt(M_ARENA_MAX, 2);
 
-  // Block the stop signals in every thread (gRPC's included) and wait for them here.
+  // Block the stop signals (and SIGHUP, the tokens' reload) in every thread, gRPC's
+  // included, and wait for them here.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   InstallCrashCleanup();
 
@@ -310,6 +329,21 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.listen_group = absl::GetFlag(FLAGS_listen_group);
+  options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
+  options.tenant_memory_share = absl::GetFlag(FLAGS_tenant_memory_share);
+  if (options.tenant_max_sequences < 0 ||
+      !(options.tenant_memory_share > 0 && options.tenant_memory_share <= 1)) {
+    std::fprintf(stderr,
+                 "kvcached: --tenant_max_sequences must be >= 0, --tenant_memory_share in "
+                 "(0, 1]\n");
+    return 2;
+  }
+
   kvcm::server::BuildInfo build;
   build.version = KVCM_VERSION;
 #ifdef KVCM_HAS_CUDA
@@ -335,7 +369,12 @@ int main(int argc, char** argv) {
   }
 
   int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  while (sigwait(&stop_signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    if (absl::Status reloaded = (*daemon)->ReloadAuthTokens(); !reloaded.ok()) {
+      std::fprintf(stderr, "kvcached: SIGHUP: kept the tokens in force: %s\n",
+                   std::string(reloaded.message()).c_str());
+    }
+  }
   std::fprintf(stderr, "kvcached: %s: draining (deadline %s)\n",
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
                absl::FormatDuration(options.drain_deadline).c_str());

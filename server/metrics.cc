@@ -392,7 +392,7 @@ std::vector<prometheus::MetricFamily> TableGauges::Collect() const {
   const std::vector<std::string> labels = PolicyLabels();
   absl::flat_hash_map<std::string, Totals> by_policy;
   for (const std::string& label : labels) by_policy[label];
-  for (const SequenceInfo& info : table_->List()) {
+  for (const SequenceInfo& info : table_->ListEveryTenant()) {
     Totals& t = by_policy[PolicyLabel(info.policy.preset)];
     t.open += 1;
     t.retained += static_cast<double>(info.cache_size);

@@ -105,6 +105,22 @@ struct ServerOptions {
   // fails): how often, and how long one may take. 0 interval: no probe.
   absl::Duration listener_probe_interval = absl::Seconds(10);
   absl::Duration listener_probe_timeout = absl::Seconds(5);
+
+  // TLS on the gRPC port (TCP and unix): PEM certificate chain and key, both or neither;
+  // with a client CA every client must present a certificate it signed (mTLS).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+  // Bearer tokens ("token tenant" per line, server/auth.h): with a file, every kvcache.v1
+  // call needs a known token and runs as its tenant; without, every caller is tenant "".
+  // grpc.health.v1 stays open.
+  std::string auth_tokens_file;
+  // Per tenant: the most sequences open (0: only max_sequences), and the fraction of
+  // memory_limit_bytes its sequences' engine state may hold, in (0, 1].
+  int64_t tenant_max_sequences = 0;
+  double tenant_memory_share = 1.0;
+  // A unix: listen socket is made mode 0660; with a group name it is chowned to it.
+  std::string listen_group;
 };
 
 }  // namespace kvcm::server

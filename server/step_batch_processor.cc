@@ -173,7 +173,7 @@ void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
   }
   absl::StatusOr<kernels::ScoreDtype> dtype =
       report.dtype() == ::kvcache::v1::SCORE_DTYPE_UNSPECIFIED && !bytes.empty()
-          ? table_->DefaultScoreDtype(id)
+          ? table_->DefaultScoreDtype(id, b.tenant_)
           : FromProto(report.dtype(), kernels::ScoreDtype::kFloat32);
   if (!dtype.ok()) {
     fail(dtype.status());
@@ -199,7 +199,8 @@ void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
   rank_report.step = report.step();
   rank_report.partial_sums = *scores;
   rank_report.head_count = report.head_count();
-  absl::Status status = table_->SubmitRankReport(id, rank_report, DecisionWaiter{&b, index});
+  absl::Status status = table_->SubmitRankReport(id, rank_report, DecisionWaiter{&b, index},
+                                                 b.tenant_);
   if (!status.ok()) b.Fail(index, status);
 }
 

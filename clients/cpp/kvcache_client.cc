@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "grpcpp/support/client_interceptor.h"
 #include "kvcache/v1/wire_dtype.h"
 #include "kernels/half_float.h"
 
@@ -109,16 +113,120 @@ absl::Status StepStream::Close() {
 KvCacheClient::KvCacheClient(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
     : options_(options), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
 
+namespace {
+
+// Adds the bearer token to every call's initial metadata, so that calls made on stub()
+// with the caller's own ClientContext carry it too.
+class BearerTokenInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerTokenInterceptor(const std::string* header) : header_(header) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->emplace("authorization", *header_);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string* const header_;
+};
+
+class BearerTokenInterceptorFactory final
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerTokenInterceptorFactory(const std::string& token)
+      : header_(absl::StrCat("Bearer ", token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo* /*info*/) override {
+    return new BearerTokenInterceptor(&header_);
+  }
+
+ private:
+  const std::string header_;  // lives as long as the channel holds the factory
+};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": cannot be read"));
+  return text.str();
+}
+
+// Insecure credentials without a CA file; TLS with it.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ClientOptions& options) {
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS: a client certificate and its key go together");
+  }
+  if (options.tls_ca_file.empty()) {
+    if (!options.tls_cert_file.empty() || !options.tls_server_name.empty()) {
+      return absl::InvalidArgumentError(
+          "TLS: a client certificate or server name needs the CA file too");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  absl::StatusOr<std::string> ca = ReadFile(options.tls_ca_file, "TLS CA file");
+  if (!ca.ok()) return ca.status();
+  ssl.pem_root_certs = *std::move(ca);
+  if (!options.tls_cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "TLS certificate file");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "TLS key file");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path, "auth token file");
+  if (!text.ok()) return text.status();
+  const absl::string_view token = absl::StripAsciiWhitespace(*text);
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("auth token file ", path, ": it is empty"));
+  }
+  return std::string(token);
+}
+
+absl::Status ApplySecurityFlags(const std::string& tls_ca_file, const std::string& tls_cert_file,
+                                const std::string& tls_key_file,
+                                const std::string& tls_server_name,
+                                const std::string& auth_token_file, ClientOptions* options) {
+  options->tls_ca_file = tls_ca_file;
+  options->tls_cert_file = tls_cert_file;
+  options->tls_key_file = tls_key_file;
+  options->tls_server_name = tls_server_name;
+  if (auth_token_file.empty()) return absl::OkStatus();
+  absl::StatusOr<std::string> token = ReadAuthTokenFile(auth_token_file);
+  if (!token.ok()) return token.status();
+  options->auth_token = *std::move(token);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Connect(
     const ClientOptions& options) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentialsFor(options);
+  if (!credentials.ok()) return credentials.status();
   grpc::ChannelArguments args;
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   // Batches of scores are megabytes: large frames, a large receive window.
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  auto channel =
-      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  if (!options.auth_token.empty()) {
+    interceptors.push_back(std::make_unique<BearerTokenInterceptorFactory>(options.auth_token));
+  }
+  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+      options.address, *credentials, args, std::move(interceptors));
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot reach kvcached at ", options.address,
                                                " within ",

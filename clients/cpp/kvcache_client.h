@@ -36,6 +36,17 @@ namespace v1 = ::kvcache::v1;
 
 struct ClientOptions {
   std::string address = "127.0.0.1:50051";
+  // TLS: with a CA file (PEM) the channel is TLS and the server's certificate is verified
+  // against it; a client certificate and key (PEM, both or neither) answer a daemon that
+  // requires them (kvcached --tls_client_ca_file). `tls_server_name`: the name the
+  // server's certificate must carry, when it is not the address's host.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;
+  // Sent as "authorization: Bearer <auth_token>" on every call (kvcached
+  // --auth_tokens_file), stubs' included; empty: none.
+  std::string auth_token;
   absl::Duration connect_timeout = absl::Seconds(10);  // wait this long for the channel
   absl::Duration rpc_timeout = absl::Seconds(60);      // per unary call
   int64_t max_message_bytes = 256 << 20;
@@ -139,6 +150,19 @@ absl::StatusOr<std::vector<int64_t>> EvictedPositions(const v1::Decision& decisi
 // as above, and for an evicted position that is not in `cache`.
 absl::StatusOr<std::vector<uint8_t>> KeepMask(const v1::Decision& decision,
                                               std::span<const int64_t> cache);
+
+// The token a file holds (kvcache-replay's and kvcache-loadgen's --auth_token_file), its
+// surrounding whitespace stripped. INVALID_ARGUMENT naming the file when it cannot be read
+// or holds nothing; never the token.
+absl::StatusOr<std::string> ReadAuthTokenFile(const std::string& path);
+
+// What the CLI tools' --tls_ca_file, --tls_cert_file, --tls_key_file, --tls_server_name
+// and --auth_token_file give: `options` with those TLS files and the file's token.
+// INVALID_ARGUMENT as ReadAuthTokenFile.
+absl::Status ApplySecurityFlags(const std::string& tls_ca_file, const std::string& tls_cert_file,
+                                const std::string& tls_key_file,
+                                const std::string& tls_server_name,
+                                const std::string& auth_token_file, ClientOptions* options);
 
 // The daemon's grpc::Status as an absl::Status (same code and message).
 absl::Status FromGrpc(const grpc::Status& status);

@@ -376,7 +376,7 @@ absl::StatusOr<LoadResult> Run(const LoadOptions& o, absl::string_view run,
 }  // namespace
 
 absl::StatusOr<LoadResult> RunAgainstDaemon(const LoadOptions& o) {
-  client::ClientOptions co;
+  client::ClientOptions co = o.connection;
   co.address = o.server;
   co.max_message_bytes = (int64_t{1} << 31) - 1;
   std::vector<std::unique_ptr<client::KvCacheClient>> clients;

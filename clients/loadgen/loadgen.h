@@ -10,12 +10,15 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "clients/cpp/kvcache_client.h"
 #include "kernels/score_matrix.h"
 
 namespace kvcm::loadgen {
 
 struct LoadOptions {
   std::string server;  // empty: embedded engine only
+  // TLS and bearer token for the daemon (its address is ignored: `server` above).
+  client::ClientOptions connection;
   int32_t sequences = 64;
   int32_t streams = 4;  // worker threads, one step stream each
   int32_t layers = 32;

@@ -201,7 +201,7 @@ class GrpcBackend : public ReplayBackend {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const GrpcBackendOptions& options) {
-  client::ClientOptions client_options;
+  client::ClientOptions client_options = options.connection;
   client_options.address = options.address;
   ASSIGN_OR_RETURN(std::unique_ptr<client::KvCacheClient> client,
                    client::KvCacheClient::Connect(client_options));

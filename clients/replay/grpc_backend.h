@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "clients/cpp/kvcache_client.h"
 #include "clients/replay/replay_backend.h"
 
 namespace kvcm::replay {
@@ -36,6 +37,8 @@ inline std::optional<ScoreTransport> ParseScoreTransport(absl::string_view name)
 struct GrpcBackendOptions {
   std::string address;  // host:port or unix:/path of the kvcached
   ScoreTransport transport = ScoreTransport::kGrpc;
+  // TLS and bearer token (its address is ignored: `address` above).
+  client::ClientOptions connection = {};
 };
 
 absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const GrpcBackendOptions& options);

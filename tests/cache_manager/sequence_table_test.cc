@@ -20,6 +20,29 @@ SequenceOptions Options(int64_t prefill = 10, int64_t budget = 4, const char* pr
   return o;
 }
 
+TEST(SequenceTableTenantTest, IdsArePerTenantAndOthersSeeAnUnknownId) {
+  SequenceTable table(SequenceTableOptions{.tenant_max_sequences = 1});
+  ASSERT_TRUE(table.Open("s", Options(10), 1, kernels::ScoreDtype::kFloat32, "a").ok());
+  ASSERT_TRUE(table.Open("s", Options(20), 1, kernels::ScoreDtype::kFloat32, "b").ok());
+  EXPECT_EQ(table.Inspect("s", false, "a")->prefill_len, 10);
+  EXPECT_EQ(table.Inspect("s", false, "b")->prefill_len, 20);
+  EXPECT_EQ(table.Inspect("s", false, "b")->tenant, "b");
+  const absl::Status unknown = table.Inspect("s", false, "c").status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(unknown.message(), "sequence 's' is not open");
+  EXPECT_EQ(table.Close("s", "c").status().message(), "sequence 's' is not open");
+  EXPECT_EQ(table.List("a").size(), 1u);
+  EXPECT_TRUE(table.List("c").empty());
+  EXPECT_EQ(table.ListEveryTenant().size(), 2u);
+  const absl::Status full =
+      table.Open("t", Options(), 1, kernels::ScoreDtype::kFloat32, "a").status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("tenant 'a' already holds its maximum of 1"));
+  ASSERT_TRUE(table.Close("s", "a").ok());
+  EXPECT_TRUE(table.Open("t", Options(), 1, kernels::ScoreDtype::kFloat32, "a").ok());
+  EXPECT_TRUE(table.Inspect("s", false, "b").ok());
+}
+
 TEST(SequenceTableTest, OpenStepInspectClose) {
   SequenceTable table;
   absl::StatusOr<SequenceInfo> opened = table.Open("a", Options());

@@ -287,6 +287,22 @@ TEST_F(LimitsTest, AnIdThatIsNotUtf8IsAnInvalidArgumentOnEveryRpc) {
   ExpectStillServing();
 }
 
+TEST_F(LimitsTest, BytesThatAreNotTheRequestAreAnInvalidArgumentNamingItsTypeOnEveryRpc) {
+  StartDaemon();
+  RawChannel raw(daemon_->grpc_address());
+  const std::string not_a_message = "\xff";  // a truncated field tag
+  for (const auto& [method, type] : std::vector<std::pair<std::string, std::string>>{
+           {"ListSequences", "kvcache.v1.ListSequencesRequest"},
+           {"DescribeKvPools", "kvcache.v1.DescribeKvPoolsRequest"},
+           {"UnregisterScoreRegion", "kvcache.v1.UnregisterScoreRegionRequest"},
+           {"WatchKvEvents", "kvcache.v1.WatchKvEventsRequest"}}) {
+    const grpc::Status s = raw.Unary(method, not_a_message);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_THAT(s.error_message(), HasSubstr("the request does not parse as " + type)) << method;
+  }
+  ExpectStillServing();
+}
+
 TEST_F(LimitsTest, AMegabyteIdGetsABoundedInvalidArgument) {
   StartDaemon();
   const std::string huge(1 << 20, 'x');
