@@ -104,6 +104,16 @@ class SequenceTable {
       std::string id, const SequenceOptions& options, int32_t tp_world_size = 1,
       kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32);
 
+  // Rebuilds a sequence a snapshot recorded (SequenceSlot::Record), through the checks of
+  // Open, with its KV leases restored exactly when it has them (the pools must be the
+  // snapshot's, its blocks free). Errors: Open's, and INVALID_ARGUMENT when the record
+  // does not fit the table (its budget resolves differently, its leases do not fit).
+  absl::StatusOr<SequenceInfo> Restore(const SequenceRecord& record);
+
+  // Every open sequence as a snapshot keeps it. Pending tensor-parallel steps are not
+  // included: abandon them first (AbandonPendingSteps) so their ranks send them again.
+  std::vector<SequenceRecord> Records() const;
+
   // Forgets a sequence and returns its last snapshot; a pending tensor-parallel step is
   // abandoned (ABORTED to its waiting ranks). NOT_FOUND when unknown.
   absl::StatusOr<SequenceInfo> Close(absl::string_view id);
@@ -159,6 +169,11 @@ class SequenceTable {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // Open, with each rank's lease restored from `kv` (one per pool) instead of leased
+  // fresh when it is non-null.
+  absl::StatusOr<SequenceInfo> OpenWithKv(std::string id, const SequenceOptions& options,
+                                          int32_t tp_world_size, kernels::ScoreDtype score_dtype,
+                                          const std::vector<BlockLeaseState>* kv);
   // `options` with the table's engine backend when they name none.
   SequenceOptions WithEngine(const SequenceOptions& options) const;
   // The slot of an open id, or null (unknown, or still being opened).
