@@ -36,6 +36,9 @@ inline std::optional<ScoreTransport> ParseScoreTransport(absl::string_view name)
 struct GrpcBackendOptions {
   std::string address;  // host:port or unix:/path of the kvcached
   ScoreTransport transport = ScoreTransport::kGrpc;
+  // Open takes a sequence the daemon already has open (ALREADY_EXISTS: restored from a
+  // snapshot) as it is, and steps it from where it is. For restart tests.
+  bool adopt_open_sequences = false;
 };
 
 absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const GrpcBackendOptions& options);
