@@ -64,6 +64,8 @@ class Daemon {
   // tensor-parallel ranks, so that no stream outlives the service. After the server
   // has stopped.
   void StopEngine();
+  // The drain's last act with --state_dir: writes the snapshot; true when it did.
+  bool WriteSnapshot();
 
   const ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
@@ -87,6 +89,9 @@ class Daemon {
   std::thread reclaimer_;
   absl::Notification stop_prober_;
   std::thread prober_;
+  // With --state_dir, the snapshot restored at start, removed once serving.
+  std::string restored_snapshot_path_;
+  bool serving_ = false;  // Start completed: only then may the drain write a snapshot
   Mutex drain_mu_;
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
 };
