@@ -92,14 +92,16 @@ TEST(SnapshotTest, Crc32cMatchesTheStandardCheckValue) {
   EXPECT_EQ(Crc32c(""), 0u);
 }
 
-TEST(SnapshotTest, EveryPresetRestoresBitForBitAndDecidesOnExactly) {
+// `engine`: the kernel backend of both tables (nullptr: the CPU; the emulated device
+// backend runs the device path: the snapshot downloads its state, the restore uploads it).
+void ExpectEveryPresetRestoresExactly(const kernels::KernelBackend* engine) {
   for (absl::string_view preset : Policy::PresetNames()) {
     for (bool folded : {false, true}) {
       SequenceOptions options = Options(preset, folded);
       if (folded && !Sequence::ResolvePolicy(options)->UsesScores()) continue;
       SCOPED_TRACE(std::string(preset) + (folded ? " folded" : " per-layer"));
       auto pools_a = testing::SmallHostKvPools(2, 64);
-      SequenceTable a(SequenceTableOptions{.kv_pools = pools_a.get()});
+      SequenceTable a(SequenceTableOptions{.kv_pools = pools_a.get(), .engine_backend = engine});
       ASSERT_TRUE(a.Open("s", options, 1, kernels::ScoreDtype::kFloat16).ok());
       ASSERT_TRUE(a.Open("other", Options("inertia", false), 2).ok());
       std::mt19937_64 rng(11);
@@ -120,7 +122,7 @@ TEST(SnapshotTest, EveryPresetRestoresBitForBitAndDecidesOnExactly) {
       for (const SequenceRecord& record : decoded->sequences) EXPECT_EQ(record.tenant, "");
 
       auto pools_b = testing::SmallHostKvPools(2, 64);
-      SequenceTable b(SequenceTableOptions{.kv_pools = pools_b.get()});
+      SequenceTable b(SequenceTableOptions{.kv_pools = pools_b.get(), .engine_backend = engine});
       const RestoreReport report = RestoreEngine(*decoded, &b, pools_b.get());
       EXPECT_EQ(report.restored, 2);
       EXPECT_THAT(report.failures, ::testing::IsEmpty());
@@ -139,6 +141,14 @@ TEST(SnapshotTest, EveryPresetRestoresBitForBitAndDecidesOnExactly) {
       ExpectSameState(a, b, "s");
     }
   }
+}
+
+TEST(SnapshotTest, EveryPresetRestoresBitForBitAndDecidesOnExactly) {
+  ExpectEveryPresetRestoresExactly(nullptr);
+}
+
+TEST(SnapshotTest, ADeviceEngineRestoresBitForBitAndDecidesOnExactly) {
+  ExpectEveryPresetRestoresExactly(&kernels::EmulatedDeviceBackend());
 }
 
 TEST(SnapshotTest, EveryTruncationAndEveryDamagedByteIsDataLoss) {
