@@ -98,6 +98,8 @@ class SequenceTable {
   // Registers a sequence reported by `tp_world_size` ranks, whose reports carry
   // `score_dtype` unless they say otherwise. The id and the limits are checked first
   // (the id is reserved meanwhile), then the engine state is built and the KV leased.
+  // With `options.resume` it continues from there: its cache is leased, its taken steps
+  // count against max_sequence_tokens (RESOURCE_EXHAUSTED past it).
   // Errors: INVALID_ARGUMENT (options, id, world size), ALREADY_EXISTS,
   // RESOURCE_EXHAUSTED (max_sequences reached, or a KV pool full).
   absl::StatusOr<SequenceInfo> Open(

@@ -231,11 +231,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
         snapshot.reset();
       }
     }
-    if (d->pools_ == nullptr && options.backend == KvBackend::kHost && options.kv_shared_memory) {
+    if (options.backend == KvBackend::kHost && options.kv_shared_memory) {
       // A SIGKILLed instance could not unlink its pools; without this they would hold
-      // node memory until reboot. A restore that re-attaches pools (ServerOptions::
-      // keep_kv_pools_on_exit) must do so before this: the sweep skips objects a live
-      // process holds, this one included.
+      // node memory until reboot. The pools re-attached above are locked by now: the
+      // sweep skips objects a live process holds, this one included.
       for (const std::string& name : RemoveStaleSharedMemory(IsDeadInstancesPool)) {
         std::fprintf(stderr, "kvcached: removed %s, a KV pool its dead kvcached left behind\n",
                      name.c_str());

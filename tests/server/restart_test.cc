@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -258,9 +259,18 @@ TEST(RestartTest, SharedMemoryPoolsAndTheirSlotTablesSurviveARestart) {
     }
   }
   client.reset();
+  // A pool a SIGKILLed kvcached left behind: the restoring start still sweeps it.
+  const pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  waitpid(dead, nullptr, 0);
+  const std::string stale = absl::StrCat("/kvcached-", dead, "-rank0");
+  const int stale_fd = shm_open(stale.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(stale_fd, 0);
+  close(stale_fd);
 
   ASSERT_TRUE(Restart(&daemon, flags).ok());
   EXPECT_THAT(daemon->Log(), HasSubstr("restored 1 of 1 sequence(s) and 2 KV pool(s)"));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + stale)) << daemon->Log();
   EXPECT_FALSE(std::filesystem::exists(state.snapshot()));
   client = daemon->Connect();
   absl::StatusOr<v1::SequenceState> after = client->Inspect("kv", true);
