@@ -173,9 +173,10 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewHostKvStorage(int64_t bytes,
       if (data == MAP_FAILED) status = SystemError(errno, absl::StrCat("mmap('", name, "')"));
     }
     // The fd stays open only to hold the flock that marks the object as ours while we live
-    // (the mapping alone keeps the object alive). An attached object's exclusive lock,
-    // taken above, becomes the same shared one.
-    if (status.ok() && flock(fd, LOCK_SH) != 0) {
+    // (the mapping alone keeps the object alive). An attached object keeps the exclusive
+    // lock taken above: turning it into a shared one is not atomic, and a sweep running
+    // in between could take the object.
+    if (status.ok() && !options.attach && flock(fd, LOCK_SH) != 0) {
       status = SystemError(errno, absl::StrCat("flock('", name, "')"));
     }
     if (!status.ok()) {

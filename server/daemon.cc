@@ -9,8 +9,8 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
-#include <optional>
 #include <exception>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
