@@ -355,9 +355,10 @@ TEST(RestartTest, ADamagedSnapshotIsSetAsideAndTheDaemonStartsEmpty) {
     EXPECT_EQ(client->Inspect("s", false).status().code(), absl::StatusCode::kNotFound);
     // Empty, and serving: the worker re-opens.
     EXPECT_TRUE(client->Open(client::OpenRequest("s", 16, 0.5, "inertia")).ok());
+    const pid_t last_pid = daemon->pid();  // pid() is -1 once it has exited
     EXPECT_EQ(daemon->SignalAndWait(SIGKILL, absl::Seconds(20)), -1);
     for (int r = 0; r < 2; ++r) {
-      shm_unlink(absl::StrCat("/kvcached-", daemon->pid(), "-rank", r).c_str());
+      EXPECT_EQ(shm_unlink(absl::StrCat("/kvcached-", last_pid, "-rank", r).c_str()), 0);
     }
   }
 }
