@@ -313,6 +313,72 @@ absl::StatusOr<BlockLease> BlockPool::Lease(int64_t tokens) {
   return lease;
 }
 
+absl::StatusOr<BlockLease> BlockPool::RestoreLease(const BlockLeaseState& state) {
+  const int64_t tpb = layout_.tokens_per_block;
+  absl::flat_hash_map<int32_t, int32_t> index;
+  for (size_t i = 0; i < state.blocks.size(); ++i) {
+    const int32_t block = state.blocks[i];
+    if (block < 0 || block >= capacity_blocks_ || !index.emplace(block, 0).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " KV pool: block ", block, " (entry ", i, ") of a restored lease is "
+          "outside the pool's ", capacity_blocks_, " blocks or listed twice"));
+    }
+  }
+  absl::flat_hash_map<int64_t, int32_t> seen;
+  for (size_t i = 0; i < state.slots.size(); ++i) {
+    const int64_t slot = state.slots[i];
+    if (slot < 0 || slot / tpb >= capacity_blocks_ ||
+        !index.contains(static_cast<int32_t>(slot / tpb)) || !seen.emplace(slot, 0).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " KV pool: slot ", slot, " (entry ", i, ") of a restored lease is "
+          "not in one of its blocks, or listed twice"));
+    }
+  }
+  {
+    MutexLock lock(&mu_);
+    size_t found = 0;
+    for (int32_t block : free_blocks_) found += index.contains(block) ? 1 : 0;
+    if (found != state.blocks.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " KV pool: ", state.blocks.size() - found, " block(s) of a restored "
+          "lease are already leased"));
+    }
+    free_blocks_.erase(std::remove_if(free_blocks_.begin(), free_blocks_.end(),
+                                      [&](int32_t block) { return index.contains(block); }),
+                       free_blocks_.end());
+  }
+  BlockLease lease(this);
+  lease.blocks_ = state.blocks;
+  lease.slots_ = state.slots;
+  lease.RebuildFreeSlots();
+  return lease;
+}
+
+std::vector<int32_t> BlockPool::FreeBlocks() const {
+  MutexLock lock(&mu_);
+  return free_blocks_;
+}
+
+void BlockPool::ReorderFreeBlocks(std::span<const int32_t> order) {
+  MutexLock lock(&mu_);
+  absl::flat_hash_map<int32_t, bool> listed_free;  // block -> placed yet
+  for (int32_t block : free_blocks_) listed_free.emplace(block, false);
+  std::vector<int32_t> listed;
+  for (int32_t block : order) {
+    auto it = listed_free.find(block);
+    if (it == listed_free.end() || it->second) continue;
+    it->second = true;
+    listed.push_back(block);
+  }
+  std::vector<int32_t> reordered;
+  reordered.reserve(free_blocks_.size());
+  for (int32_t block : free_blocks_) {
+    if (!listed_free[block]) reordered.push_back(block);
+  }
+  reordered.insert(reordered.end(), listed.begin(), listed.end());
+  free_blocks_ = std::move(reordered);
+}
+
 BlockPoolUsage BlockPool::Usage() const {
   BlockPoolUsage usage;
   usage.rank = rank_;

@@ -68,6 +68,14 @@ struct CompactionPlan {
   std::vector<int32_t> released_blocks;  // returned to the pool
 };
 
+// What a lease holds, as a snapshot records it: its blocks in lease order and the slot of
+// each live token in cache order. Enough to rebuild it exactly (BlockPool::RestoreLease):
+// its free slots follow from the two.
+struct BlockLeaseState {
+  std::vector<int32_t> blocks;
+  std::vector<int64_t> slots;
+};
+
 class BlockPool;
 
 class BlockLease {
@@ -112,6 +120,8 @@ class BlockLease {
 
   // Returns every block to the pool now; the lease becomes empty (valid() stays true).
   void Release();
+
+  BlockLeaseState State() const { return {blocks_, slots_}; }
 
  private:
   friend class BlockPool;
@@ -158,6 +168,16 @@ class BlockPool {
   // A lease holding `tokens` (>= 0) tokens in ceil(tokens / tokens_per_block) fresh
   // blocks. RESOURCE_EXHAUSTED when the pool lacks them.
   absl::StatusOr<BlockLease> Lease(int64_t tokens);
+
+  // The lease `state` describes (a snapshot's), taking its blocks out of the free ones.
+  // INVALID_ARGUMENT, nothing taken, unless its blocks are distinct, free and in the
+  // pool, and its slots distinct and inside its blocks.
+  absl::StatusOr<BlockLease> RestoreLease(const BlockLeaseState& state) ABSL_LOCKS_EXCLUDED(mu_);
+  // The free blocks in the order the pool hands them out, the next one last.
+  std::vector<int32_t> FreeBlocks() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Hands out the free blocks listed in `order` in that order (the last first), after
+  // every free block it does not list. Blocks of `order` that are not free are skipped.
+  void ReorderFreeBlocks(std::span<const int32_t> order) ABSL_LOCKS_EXCLUDED(mu_);
 
   BlockPoolUsage Usage() const ABSL_LOCKS_EXCLUDED(mu_);
 

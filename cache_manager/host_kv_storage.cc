@@ -135,20 +135,48 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewHostKvStorage(int64_t bytes,
       return absl::InvalidArgumentError(absl::StrCat(
           "shared-memory name '", name, "' must be '/' then 1 to 254 characters without '/'"));
     }
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return SystemError(errno, absl::StrCat("shm_open('", name, "')"));
+    const int fd = options.attach ? shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0)
+                                  : shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      if (options.attach && errno == ENOENT) {
+        return absl::NotFoundError(absl::StrCat("shared-memory pool '", name, "' is gone"));
+      }
+      return SystemError(errno, absl::StrCat("shm_open('", name, "')"));
+    }
     absl::Status status;
+    struct stat st;
+    if (options.attach) {
+      // An object a live process holds (its exclusive lock fails) is not ours to take.
+      if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+        status = absl::FailedPreconditionError(
+            absl::StrCat("shared-memory pool '", name, "' is not a file of this user"));
+      } else if (st.st_size != bytes) {
+        status = absl::FailedPreconditionError(absl::StrCat(
+            "shared-memory pool '", name, "' holds ", st.st_size, " bytes; this pool needs ",
+            bytes));
+      } else if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        status = absl::FailedPreconditionError(absl::StrCat(
+            "shared-memory pool '", name, "' is held by a live process"));
+      }
+      if (!status.ok()) {
+        close(fd);  // never unlinked: it is not ours
+        return status;
+      }
+    }
     // Reserve the pages now: a tmpfs that runs out later would kill the process with
-    // SIGBUS on first touch instead of failing here.
-    if (const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); error != 0) {
+    // SIGBUS on first touch instead of failing here. An attached object has them.
+    if (const int error = options.attach ? 0 : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+        error != 0) {
       status = SystemError(error, absl::StrCat("posix_fallocate('", name, "', ", bytes, ")"));
     } else {
       data = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       if (data == MAP_FAILED) status = SystemError(errno, absl::StrCat("mmap('", name, "')"));
     }
     // The fd stays open only to hold the flock that marks the object as ours while we live
-    // (the mapping alone keeps the object alive).
-    if (status.ok() && flock(fd, LOCK_SH) != 0) {
+    // (the mapping alone keeps the object alive). An attached object keeps the exclusive
+    // lock taken above: turning it into a shared one is not atomic, and a sweep running
+    // in between could take the object.
+    if (status.ok() && !options.attach && flock(fd, LOCK_SH) != 0) {
       status = SystemError(errno, absl::StrCat("flock('", name, "')"));
     }
     if (!status.ok()) {

@@ -57,6 +57,38 @@ absl::StatusOr<SequenceKv> SequenceKv::Lease(KvPools& pools, int64_t tokens,
   return kv;
 }
 
+absl::StatusOr<SequenceKv> SequenceKv::Restore(KvPools& pools,
+                                               std::span<const BlockLeaseState> states,
+                                               int64_t tokens, absl::string_view sequence_id) {
+  if (static_cast<int32_t>(states.size()) != pools.ranks()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", sequence_id, "': ", states.size(), " KV leases for ", pools.ranks(),
+        " pools"));
+  }
+  std::vector<BlockLease> leases;
+  for (int32_t r = 0; r < pools.ranks(); ++r) {
+    const BlockLeaseState& state = states[static_cast<size_t>(r)];
+    if (static_cast<int64_t>(state.slots.size()) != tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence '", sequence_id, "': rank ", r, "'s KV lease holds ", state.slots.size(),
+          " tokens, its cache ", tokens));
+    }
+    absl::StatusOr<BlockLease> lease = pools.pool(r).RestoreLease(state);
+    if (!lease.ok()) {  // the leases restored so far go back when `leases` is destroyed
+      return absl::Status(lease.status().code(),
+                          absl::StrCat("sequence '", sequence_id, "': ", lease.status().message()));
+    }
+    leases.push_back(*std::move(lease));
+  }
+  return SequenceKv(std::move(leases), pools.pool(0).layout().tokens_per_block);
+}
+
+std::vector<BlockLeaseState> SequenceKv::State() const {
+  std::vector<BlockLeaseState> states;
+  for (const BlockLease& lease : leases_) states.push_back(lease.State());
+  return states;
+}
+
 absl::Status SequenceKv::AppendToken(absl::string_view sequence_id, int64_t step) {
   for (size_t r = 0; r < leases_.size(); ++r) {
     absl::Status appended = leases_[r].Append(1);

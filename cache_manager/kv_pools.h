@@ -55,6 +55,12 @@ class SequenceKv {
   static absl::StatusOr<SequenceKv> Lease(KvPools& pools, int64_t tokens,
                                           absl::string_view sequence_id);
 
+  // The leases `states` describe (one per rank, a snapshot's), all or none.
+  // INVALID_ARGUMENT names the rank and what does not fit the pool, or a rank count or
+  // token count (`tokens`, the sequence's cache) that differs.
+  static absl::StatusOr<SequenceKv> Restore(KvPools& pools, std::span<const BlockLeaseState> states,
+                                            int64_t tokens, absl::string_view sequence_id);
+
   SequenceKv(SequenceKv&&) = default;
   SequenceKv& operator=(SequenceKv&&) = default;
 
@@ -67,6 +73,8 @@ class SequenceKv {
   // records per rank the new token's final slot and any moves in decision->kv.
   void ApplyDecision(EvictionDecision* decision);
 
+  // Each rank's lease, as Restore takes it.
+  std::vector<BlockLeaseState> State() const;
   // [ranks][cached tokens] each token's slot, in cache order.
   std::vector<std::vector<int64_t>> Slots() const;
   int32_t ranks() const { return static_cast<int32_t>(leases_.size()); }

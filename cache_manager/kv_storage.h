@@ -69,6 +69,12 @@ struct HostStorageOptions {
   // when the storage is destroyed (or before: UnlinkSharedMemory). The storage holds a
   // shared flock on it while it lives. Empty: private anonymous memory.
   std::string shm_name;
+  // With shm_name: the object already exists (the pool of an earlier kvcached, recorded
+  // in its snapshot) and is mapped with its bytes as they are instead of created; its size
+  // must be the storage's. From then on it is this storage's as if it had made it (locked,
+  // exclusively, while it lives; unlinked on exit). NOT_FOUND when it is gone, FAILED_PRECONDITION for another size or
+  // an object a live process holds.
+  bool attach = false;
 };
 
 // Host memory of `bytes` bytes (> 0), zero-filled. Errors: INVALID_ARGUMENT (size, name),

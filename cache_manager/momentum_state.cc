@@ -122,25 +122,56 @@ int64_t MomentumState::BytesToAppend() const {
   return BytesFor(GrownCapacity(), *backend_) - reserved_bytes();
 }
 
+namespace {
+
+// The prefill cache {0 .. prefill_len-1} and its starting momentum.
+struct PrefillCache {
+  std::vector<int64_t> positions;
+  std::vector<float> momentum;
+};
+
+PrefillCache MakePrefillCache(int64_t prefill_len, bool momentum_is_position) {
+  PrefillCache cache;
+  cache.positions.resize(static_cast<size_t>(prefill_len));
+  cache.momentum.resize(static_cast<size_t>(prefill_len));
+  for (int64_t i = 0; i < prefill_len; ++i) {
+    cache.positions[static_cast<size_t>(i)] = i;
+    cache.momentum[static_cast<size_t>(i)] = momentum_is_position ? static_cast<float>(i) : 0.0f;
+  }
+  return cache;
+}
+
+}  // namespace
+
 MomentumState::MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
                              const kernels::KernelBackend& backend, int device)
     : backend_(&backend), budget_(budget) {
-  const int64_t capacity = prefill_len + 1;
-  if (backend.memory == kernels::MemorySpace::kHost) {
+  const PrefillCache cache = MakePrefillCache(prefill_len, momentum_is_position);
+  Init(cache.positions, cache.momentum, device);
+}
+
+MomentumState::MomentumState(std::span<const int64_t> positions, std::span<const float> momentum,
+                             int64_t budget, const kernels::KernelBackend& backend, int device)
+    : backend_(&backend), budget_(budget) {
+  KVCM_CHECK(positions.size() == momentum.size());
+  Init(positions, momentum, device);
+}
+
+void MomentumState::Init(std::span<const int64_t> positions, std::span<const float> momentum,
+                         int device) {
+  const auto tokens = static_cast<int64_t>(positions.size());
+  const int64_t capacity = tokens + 1;
+  if (backend_->memory == kernels::MemorySpace::kHost) {
     Reserve(capacity);
-    positions_.resize(static_cast<size_t>(prefill_len));
-    momentum_.resize(static_cast<size_t>(prefill_len));
-    for (int64_t i = 0; i < prefill_len; ++i) {
-      positions_[static_cast<size_t>(i)] = i;
-      momentum_[static_cast<size_t>(i)] = momentum_is_position ? static_cast<float>(i) : 0.0f;
-    }
+    positions_.assign(positions.begin(), positions.end());
+    momentum_.assign(momentum.begin(), momentum.end());
     return;
   }
   device_ = std::make_unique<DeviceArrays>();
   DeviceArrays& d = *device_;
-  d.backend = &backend;
+  d.backend = backend_;
   d.device = device;
-  const kernels::BackendMemory& mem = backend.mem;
+  const kernels::BackendMemory& mem = backend_->mem;
   if (!Check(mem.set_device(device)) || !Check(mem.device_stream(device, &d.stream)) ||
       !Check(Allocate(mem, 1, &d.invalid)) || !Check(Allocate(mem, 1, &d.mean)) ||
       !Check(AllocateStaging(mem, 1, &d.staged_invalid)) ||
@@ -149,20 +180,14 @@ MomentumState::MomentumState(int64_t prefill_len, int64_t budget, bool momentum_
   }
   ReserveDevice(capacity);
   if (!status_.ok()) return;
-  std::vector<int64_t> positions(static_cast<size_t>(prefill_len));
-  std::vector<float> momentum(static_cast<size_t>(prefill_len));
-  for (int64_t i = 0; i < prefill_len; ++i) {
-    positions[static_cast<size_t>(i)] = i;
-    momentum[static_cast<size_t>(i)] = momentum_is_position ? static_cast<float>(i) : 0.0f;
-  }
   if (!Check(mem.copy(d.positions, positions.data(), positions.size() * sizeof(int64_t),
                       CopyKind::kHostToBackend, d.stream)) ||
       !Check(mem.copy(d.momentum, momentum.data(), momentum.size() * sizeof(float),
                       CopyKind::kHostToBackend, d.stream)) ||
-      !Check(mem.synchronize(d.stream, "uploading the prefill cache"))) {
+      !Check(mem.synchronize(d.stream, "uploading the cache"))) {
     return;
   }
-  device_size_ = prefill_len;
+  device_size_ = tokens;
 }
 
 MomentumState::~MomentumState() = default;

@@ -49,6 +49,12 @@ class MomentumState {
   // (ignored on the host). Check status() on a device backend.
   MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
                 const kernels::KernelBackend& backend = kernels::CpuBackend(), int device = 0);
+  // A cache restored as it was (a snapshot, a resumed sequence): `positions` ascending and
+  // `momentum` of the same length. The arrays hold it plus the next token.
+  // REQUIRES: positions.size() == momentum.size().
+  MomentumState(std::span<const int64_t> positions, std::span<const float> momentum,
+                int64_t budget, const kernels::KernelBackend& backend = kernels::CpuBackend(),
+                int device = 0);
   ~MomentumState();
 
   MomentumState(const MomentumState&) = delete;
@@ -125,6 +131,8 @@ class MomentumState {
   // The device-resident arrays (momentum_state.cc), null on a host backend.
   struct DeviceArrays;
 
+  // Both constructors: holds `positions` and `momentum`, with room for one more token.
+  void Init(std::span<const int64_t> positions, std::span<const float> momentum, int device);
   void Reserve(int64_t capacity);
   void ReserveDevice(int64_t capacity);
   int64_t capacity() const;

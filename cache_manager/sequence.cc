@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -62,6 +64,90 @@ kernels::MomentumUpdateOptions UpdateOptions(const Policy& policy, ScoreLayout l
   return {KernelAggregation(policy.aggregation), policy.alpha};
 }
 
+// Why `resume` cannot continue a sequence of this prefill, budget and policy, or OK.
+absl::Status CheckProgress(const SequenceProgress& resume, int64_t prefill_len, int64_t budget,
+                           const Policy& policy) {
+  const int64_t last_step = resume.last_step;
+  if (last_step < 0 || last_step > std::numeric_limits<int64_t>::max() - prefill_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resume: last_step is ", last_step, "; it must be >= 0 and prefill_len + last_step "
+        "must fit in 64 bits"));
+  }
+  const auto count = static_cast<int64_t>(resume.positions.size());
+  if (last_step == 0) {
+    // Before the first step the cache is the whole prefill.
+    bool prefill = count == prefill_len;
+    for (int64_t i = 0; prefill && i < count; ++i) {
+      prefill = resume.positions[static_cast<size_t>(i)] == i;
+    }
+    if (!prefill) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resume: at last_step 0 the cache must be the prefill 0 .. ", prefill_len - 1,
+          " (got ", count, " positions)"));
+    }
+  } else if (count < 1 || count > budget) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resume: ", count, " cached positions after step ", last_step,
+        "; there must be 1 to the budget of ", budget));
+  }
+  // The newest token so far is at prefill_len + last_step - 1.
+  const int64_t end = prefill_len + last_step;
+  for (size_t i = 0; i < resume.positions.size(); ++i) {
+    const int64_t p = resume.positions[i];
+    if (p < 0 || p >= end || (i > 0 && p <= resume.positions[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resume: position ", p, " (entry ", i, ") must be 0 to ", end - 1,
+          " (prefill plus ", last_step, " steps) and strictly above the one before"));
+    }
+  }
+  if (!resume.momentum.empty()) {
+    if (resume.momentum.size() != resume.positions.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resume: ", resume.momentum.size(), " momentum values for ",
+          resume.positions.size(), " positions"));
+    }
+    for (size_t i = 0; i < resume.momentum.size(); ++i) {
+      if (!std::isfinite(resume.momentum[i])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("resume: momentum of entry ", i, " is not finite"));
+      }
+    }
+  }
+  if (!resume.rng_state.empty()) {
+    if (policy.aggregation != Aggregation::kRandom) {
+      return absl::InvalidArgumentError("resume: a generator state for a policy that is not random");
+    }
+    std::mt19937_64 rng;
+    std::istringstream in(resume.rng_state);
+    in >> rng;
+    if (in.fail()) {
+      return absl::InvalidArgumentError("resume: the random policy's generator state does not parse");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The engine state a sequence starts with: the prefill, or what `resume` holds.
+MomentumState StartingState(int64_t prefill_len, int64_t budget, const Policy& policy,
+                            const kernels::KernelBackend& backend, int device,
+                            const SequenceProgress* resume) {
+  const bool momentum_is_position = policy.aggregation == Aggregation::kRecency;
+  if (resume == nullptr) {
+    return MomentumState(prefill_len, budget, momentum_is_position, backend, device);
+  }
+  if (!resume->momentum.empty()) {
+    return MomentumState(resume->positions, resume->momentum, budget, backend, device);
+  }
+  // A fresh prefill's momentum over the resumed positions.
+  std::vector<float> momentum(resume->positions.size(), 0.0f);
+  if (momentum_is_position) {
+    for (size_t i = 0; i < momentum.size(); ++i) {
+      momentum[i] = static_cast<float>(resume->positions[i]);
+    }
+  }
+  return MomentumState(resume->positions, momentum, budget, backend, device);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(std::string id,
@@ -74,12 +160,17 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Create(std::string id,
   absl::StatusOr<FoldWeights> fold = LayoutWeights(options, resolved->policy);
   if (!fold.ok()) return context(fold.status());
   const int64_t layers = options.score_layout == ScoreLayout::kFolded ? options.layers : 0;
+  if (options.resume.has_value()) {
+    absl::Status progress =
+        CheckProgress(*options.resume, options.prefill_len, resolved->budget, resolved->policy);
+    if (!progress.ok()) return context(progress);
+  }
   const kernels::KernelBackend& backend =
       options.backend != nullptr ? *options.backend : kernels::CpuBackend();
   std::unique_ptr<Sequence> sequence(new Sequence(
       std::move(id), options.prefill_len, resolved->budget, std::move(resolved->policy),
       options.score_layout, layers, *std::move(fold), options.decision_encoding, backend,
-      options.device));
+      options.device, options.resume.has_value() ? &*options.resume : nullptr));
   // A device backend can fail to hold the prefill (allocation, a missing device).
   if (!sequence->state_.status().ok()) return context(sequence->state_.status());
   return sequence;
@@ -93,7 +184,7 @@ absl::StatusOr<Policy> Sequence::ResolvePolicy(const SequenceOptions& options) {
 Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy,
                    ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights,
                    DecisionEncoding decision_encoding, const kernels::KernelBackend& backend,
-                   int device)
+                   int device, const SequenceProgress* resume)
     : id_(std::move(id)),
       prefill_len_(prefill_len),
       budget_(budget),
@@ -103,8 +194,32 @@ Sequence::Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy p
       fold_weights_(std::move(fold_weights)),
       decision_encoding_(decision_encoding),
       update_options_(UpdateOptions(policy_, score_layout_, fold_weights_)),
-      state_(prefill_len, budget, policy_.aggregation == Aggregation::kRecency, backend, device),
-      rng_(policy_.seed) {}
+      state_(StartingState(prefill_len, budget, policy_, backend, device, resume)),
+      rng_(policy_.seed) {
+  if (resume == nullptr) return;
+  last_step_ = resume->last_step;
+  stats_ = resume->stats;
+  if (!resume->rng_state.empty()) {
+    std::istringstream in(resume->rng_state);
+    in >> rng_;  // CheckProgress parsed it
+  }
+}
+
+SequenceProgress Sequence::Progress() const {
+  SequenceProgress progress;
+  progress.last_step = last_step_;
+  const auto positions = state_.positions();
+  const auto momentum = state_.momentum();
+  progress.positions.assign(positions.begin(), positions.end());
+  progress.momentum.assign(momentum.begin(), momentum.end());
+  progress.stats = stats_;
+  if (policy_.aggregation == Aggregation::kRandom) {
+    std::ostringstream out;
+    out << rng_;
+    progress.rng_state = out.str();
+  }
+  return progress;
+}
 
 absl::Status Sequence::CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const {
   const int64_t expected = state_.size() + 1;

@@ -9,8 +9,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,6 +25,29 @@
 #include "kernels/score_matrix.h"
 
 namespace kvcm {
+
+struct SequenceStats {
+  int64_t steps = 0;
+  int64_t scoring_steps = 0;
+  int64_t skipped_scoring_steps = 0;  // steps a score-using policy did not need scores for
+  int64_t ignored_score_reports = 0;  // scores sent on a non-scoring step
+  int64_t tokens_evicted = 0;
+};
+
+// Where a sequence that is not new starts: a snapshot's record (the drain wrote it, every
+// field as the engine held it) or a worker's resume after a crash (positions and last
+// step only: SPEC.md, "Resuming a sequence").
+struct SequenceProgress {
+  int64_t last_step = 0;           // the last step decided; the next is last_step + 1
+  std::vector<int64_t> positions;  // the cache, ascending
+  // One per position; empty: the momentum of a fresh prefill (0, or the position for
+  // recency).
+  std::vector<float> momentum;
+  SequenceStats stats;
+  // random only: the generator's state (std::mt19937_64's text form); empty: seeded
+  // from the policy's seed, as at open.
+  std::string rng_state;
+};
 
 struct SequenceOptions {
   int64_t prefill_len = 0;
@@ -44,20 +69,17 @@ struct SequenceOptions {
   // nullptr is the CPU reference; a device backend keeps it on GPU `device`.
   const kernels::KernelBackend* backend = nullptr;
   int device = 0;
-};
-
-struct SequenceStats {
-  int64_t steps = 0;
-  int64_t scoring_steps = 0;
-  int64_t skipped_scoring_steps = 0;  // steps a score-using policy did not need scores for
-  int64_t ignored_score_reports = 0;  // scores sent on a non-scoring step
-  int64_t tokens_evicted = 0;
+  // Set: the sequence continues from there instead of its prefill (validated by Create).
+  std::optional<SequenceProgress> resume;
 };
 
 class Sequence {
  public:
   // Validates the options (SPEC.md, "Registration fails ...", and the layout above) and
-  // builds the prefill cache.
+  // builds the prefill cache, or the cache of `options.resume` (positions strictly
+  // increasing, each before the next step's token, at most the budget of them once a step
+  // was taken and exactly the prefill before; momentum finite, one per position; a
+  // random policy's generator state that parses). Errors: INVALID_ARGUMENT.
   static absl::StatusOr<std::unique_ptr<Sequence>> Create(std::string id,
                                                           const SequenceOptions& options);
 
@@ -95,6 +117,8 @@ class Sequence {
   bool next_needs_scores() const { return policy_.IsScoringStep(last_step_ + 1); }
   const SequenceStats& stats() const { return stats_; }
   const MomentumState& state() const { return state_; }
+  // The state a snapshot needs to rebuild this sequence exactly (SequenceOptions::resume).
+  SequenceProgress Progress() const;
   ScoreLayout score_layout() const { return score_layout_; }
   // K, the layers a folded sequence's rows fold; 0 for per-layer.
   int64_t layers() const { return layers_; }
@@ -107,7 +131,7 @@ class Sequence {
   Sequence(std::string id, int64_t prefill_len, int64_t budget, Policy policy,
            ScoreLayout score_layout, int64_t layers, FoldWeights fold_weights,
            DecisionEncoding decision_encoding, const kernels::KernelBackend& backend,
-           int device);
+           int device, const SequenceProgress* resume);
 
   absl::Status CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const;
   absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores) const;

@@ -316,6 +316,27 @@ SequenceInfo SequenceSlot::Peek() const {
   return SnapshotLocked(/*with_cache=*/false);
 }
 
+SequenceRecord SequenceSlot::Record() const {
+  ReaderMutexLock lock(&mu_);
+  const Sequence& s = *sequence_;
+  SequenceRecord record;
+  record.id = s.id();
+  record.tenant = tenant_;
+  record.budget = s.budget();
+  record.tp_world_size = tp_world_size_;
+  record.score_dtype = score_dtype_;
+  SequenceOptions& o = record.options;
+  o.prefill_len = s.prefill_len();
+  o.budget = BudgetSpec::Tokens(s.budget());
+  o.policy = s.policy();  // resolved, the preset kept as its label
+  o.score_layout = s.score_layout();
+  o.layers = s.layers();
+  o.decision_encoding = s.decision_encoding();
+  o.resume = s.Progress();
+  if (kv_.has_value()) record.kv = kv_->State();
+  return record;
+}
+
 int64_t SequenceSlot::cache_size() const {
   ReaderMutexLock lock(&mu_);
   return sequence_->cache_size();

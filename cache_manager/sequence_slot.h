@@ -28,6 +28,7 @@
 #include "cache_manager/kv_pools.h"
 #include "cache_manager/mutex.h"
 #include "cache_manager/sequence.h"
+#include "cache_manager/snapshot.h"
 #include "cache_manager/tensor_parallel_join.h"
 
 namespace kvcm {
@@ -130,6 +131,9 @@ class SequenceSlot {
   absl::StatusOr<SequenceInfo> Snapshot(bool with_cache, absl::Time touch);
   // The snapshot of a closed or open slot without touching it (List, Totals, Close).
   SequenceInfo Peek() const;
+  // What a snapshot file keeps of this sequence (cache_manager/snapshot.h): its options,
+  // progress and KV leases. A pending tensor-parallel step is not part of it.
+  SequenceRecord Record() const;
   int64_t cache_size() const;
   bool closed() const;
 

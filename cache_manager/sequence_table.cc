@@ -129,6 +129,40 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
                                                  int32_t tp_world_size,
                                                  kernels::ScoreDtype score_dtype,
                                                  absl::string_view tenant) {
+  return OpenWithKv(std::move(id), options, tp_world_size, score_dtype, nullptr, tenant);
+}
+
+absl::StatusOr<SequenceInfo> SequenceTable::Restore(const SequenceRecord& record) {
+  absl::StatusOr<int64_t> budget = ResolveBudget(record.options.prefill_len, record.options.budget);
+  if (budget.ok() && *budget != record.budget) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", record.id, "': its recorded budget ", record.budget, " resolves to ",
+        *budget));
+  }
+  if (record.kv.empty() != (options_.kv_pools == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", record.id, "': it was recorded ", record.kv.empty() ? "without" : "with",
+        " KV leases, and this table has ",
+        options_.kv_pools == nullptr ? "no KV pools" : "KV pools"));
+  }
+  return OpenWithKv(record.id, record.options, record.tp_world_size, record.score_dtype,
+                    record.kv.empty() ? nullptr : &record.kv, record.tenant);
+}
+
+std::vector<SequenceRecord> SequenceTable::Records() const {
+  std::vector<SequenceRecord> records;
+  for (const auto& slot : AllSlots()) {
+    if (!slot->closed()) records.push_back(slot->Record());
+  }
+  return records;
+}
+
+absl::StatusOr<SequenceInfo> SequenceTable::OpenWithKv(std::string id,
+                                                       const SequenceOptions& options,
+                                                       int32_t tp_world_size,
+                                                       kernels::ScoreDtype score_dtype,
+                                                       const std::vector<BlockLeaseState>* kv_state,
+                                                       absl::string_view tenant) {
   RETURN_IF_ERROR(CheckSequenceId(id));
   if (tp_world_size < 1 || tp_world_size > options_.max_tp_world_size) {
     return absl::InvalidArgumentError(
@@ -140,6 +174,18 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
         "sequence '", id, "': its prefill of ", options.prefill_len,
         " tokens is more than --max_sequence_tokens=", options_.max_sequence_tokens,
         " (prefill plus decode)"));
+  }
+  // A resumed sequence holds its cache, not its prefill, and has taken last_step tokens
+  // of its life already. The subtraction cannot wrap: the prefill is within the limit.
+  const int64_t held_tokens =
+      options.resume.has_value() ? static_cast<int64_t>(options.resume->positions.size())
+                                 : options.prefill_len;
+  if (options.resume.has_value() &&
+      options.resume->last_step > options_.max_sequence_tokens - options.prefill_len) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence '", id, "': resumed after step ", options.resume->last_step,
+        " it has taken more than --max_sequence_tokens=", options_.max_sequence_tokens,
+        " tokens (prefill plus decode)"));
   }
   // Reserve the id before building anything: a duplicate or a full table is refused
   // without allocating the engine state or leasing KV memory.
@@ -172,7 +218,7 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   const SequenceOptions engine_options = WithEngine(options);
   const kernels::KernelBackend& backend =
       engine_options.backend != nullptr ? *engine_options.backend : kernels::CpuBackend();
-  const int64_t state_bytes = MomentumState::BytesFor(options.prefill_len + 1, backend);
+  const int64_t state_bytes = MomentumState::BytesFor(held_tokens + 1, backend);
   const ByteBudget* refused = nullptr;
   if (!budget->TryTake(state_bytes, &refused)) {
     Erase(tenant, key, nullptr);
@@ -206,7 +252,9 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
   std::optional<SequenceKv> kv;
   if (options_.kv_pools != nullptr) {
     absl::StatusOr<SequenceKv> lease =
-        SequenceKv::Lease(*options_.kv_pools, options.prefill_len, id);
+        kv_state != nullptr
+            ? SequenceKv::Restore(*options_.kv_pools, *kv_state, (*sequence)->cache_size(), id)
+            : SequenceKv::Lease(*options_.kv_pools, (*sequence)->cache_size(), id);
     if (!lease.ok()) {
       unreserve();
       return lease.status();

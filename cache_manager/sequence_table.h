@@ -109,6 +109,8 @@ class SequenceTable {
   // Registers a sequence reported by `tp_world_size` ranks, whose reports carry
   // `score_dtype` unless they say otherwise. The id and the limits are checked first
   // (the id is reserved meanwhile), then the engine state is built and the KV leased.
+  // With `options.resume` it continues from there: its cache is leased, its taken steps
+  // count against max_sequence_tokens (RESOURCE_EXHAUSTED past it).
   // Errors: INVALID_ARGUMENT (options, id, world size), ALREADY_EXISTS,
   // RESOURCE_EXHAUSTED (max_sequences reached, or a KV pool full).
   // RESOURCE_EXHAUSTED also at the tenant's limits (tenant_max_sequences,
@@ -117,6 +119,16 @@ class SequenceTable {
       std::string id, const SequenceOptions& options, int32_t tp_world_size = 1,
       kernels::ScoreDtype score_dtype = kernels::ScoreDtype::kFloat32,
       absl::string_view tenant = "");
+
+  // Rebuilds a sequence a snapshot recorded (SequenceSlot::Record), through the checks of
+  // Open, with its KV leases restored exactly when it has them (the pools must be the
+  // snapshot's, its blocks free). Errors: Open's, and INVALID_ARGUMENT when the record
+  // does not fit the table (its budget resolves differently, its leases do not fit).
+  absl::StatusOr<SequenceInfo> Restore(const SequenceRecord& record);
+
+  // Every open sequence as a snapshot keeps it. Pending tensor-parallel steps are not
+  // included: abandon them first (AbandonPendingSteps) so their ranks send them again.
+  std::vector<SequenceRecord> Records() const;
 
   // Forgets a sequence and returns its last snapshot; a pending tensor-parallel step is
   // abandoned (ABORTED to its waiting ranks). NOT_FOUND when unknown.
@@ -178,6 +190,12 @@ class SequenceTable {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // Open, with each rank's lease restored from `kv` (one per pool) instead of leased
+  // fresh when it is non-null.
+  absl::StatusOr<SequenceInfo> OpenWithKv(std::string id, const SequenceOptions& options,
+                                          int32_t tp_world_size, kernels::ScoreDtype score_dtype,
+                                          const std::vector<BlockLeaseState>* kv,
+                                          absl::string_view tenant);
   // `options` with the table's engine backend when they name none.
   SequenceOptions WithEngine(const SequenceOptions& options) const;
   // What a tenant's limits count: its open (and opening) sequences, and its engine state

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -27,6 +28,8 @@
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/cuda_backend.h"
 #endif
+#include "cache_manager/restart.h"
+#include "cache_manager/snapshot.h"
 #include "cache_manager/status_macros.h"
 #include "server/auth.h"
 #include "server/health_service.h"
@@ -70,18 +73,69 @@ bool IsDeadInstancesPool(absl::string_view name) {
 }
 
 // The pool of each rank: host memory (shared, so that workers can map it, unless turned
-// off) or device memory of the GPU with the rank's number.
-KvPools::PoolFactory PoolFactory(const ServerOptions& options) {
-  return [options](const BlockPoolOptions& pool) -> absl::StatusOr<std::unique_ptr<BlockPool>> {
+// off) or device memory of the GPU with the rank's number. With `snapshot`, each rank's
+// shared memory is the one it names, re-attached with its bytes as they are.
+KvPools::PoolFactory PoolFactory(const ServerOptions& options,
+                                 const EngineSnapshot* snapshot = nullptr) {
+  return [options, snapshot](const BlockPoolOptions& pool)
+             -> absl::StatusOr<std::unique_ptr<BlockPool>> {
 #ifdef KVCM_HAS_CUDA
     if (options.backend == KvBackend::kCuda) return CreateCudaBlockPool(pool, pool.rank);
 #endif
     HostStorageOptions host;
-    if (options.kv_shared_memory) {
+    if (snapshot != nullptr) {
+      host.shm_name = snapshot->pools[static_cast<size_t>(pool.rank)].shm_name;
+      host.attach = true;
+    } else if (options.kv_shared_memory) {
       host.shm_name = PoolShmName(pool.rank);
     }
     return BlockPool::CreateHost(pool, host);
   };
+}
+
+std::string SnapshotPath(const ServerOptions& options) {
+  return absl::StrCat(options.state_dir, "/", kSnapshotFileName);
+}
+
+// A snapshot that cannot be restored is moved to PATH.corrupt (replacing an older one, so
+// the directory does not fill up) and kvcached starts empty: its workers re-open their
+// sequences with `resume` as after a crash. Refusing to start would instead keep the
+// whole node from serving until someone deletes the file.
+void SetSnapshotAside(const std::string& path, const absl::Status& why) {
+  const std::string aside = path + ".corrupt";
+  const std::string where =
+      std::rename(path.c_str(), aside.c_str()) == 0
+          ? absl::StrCat("It was moved to ", aside)
+          : absl::StrCat("It could not be moved aside (", std::strerror(errno), "); remove it");
+  std::fprintf(stderr,
+               "kvcached: ERROR: the snapshot %s cannot be restored: %s. %s; starting with no "
+               "sequences (workers must re-open theirs, with resume)\n",
+               path.c_str(), std::string(why.message()).c_str(), where.c_str());
+}
+
+// The snapshot of --state_dir when there is one this configuration can restore; nullopt
+// when there is none, or it was set aside. An error (the directory cannot be read) stops
+// the start: the drain could not write there either.
+absl::StatusOr<std::optional<EngineSnapshot>> LoadSnapshot(const ServerOptions& options) {
+  const std::string path = SnapshotPath(options);
+  absl::StatusOr<EngineSnapshot> snapshot = ReadSnapshotFile(path);
+  if (absl::IsNotFound(snapshot.status())) return std::nullopt;
+  if (absl::IsDataLoss(snapshot.status())) {
+    SetSnapshotAside(path, snapshot.status());
+    return std::nullopt;
+  }
+  if (!snapshot.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--state_dir: ", snapshot.status().message()));
+  }
+  const int32_t ranks = options.pool_memory_bytes > 0 ? options.tp_ranks : 0;
+  if (absl::Status match =
+          CheckPoolsMatch(*snapshot, ranks, options.kv_layout, options.pool_memory_bytes);
+      !match.ok()) {
+    SetSnapshotAside(path, match);
+    return std::nullopt;
+  }
+  return std::optional<EngineSnapshot>(*std::move(snapshot));
 }
 
 // The kernel backend of the sequences' engine state (nullptr: the CPU reference), or why
@@ -182,20 +236,45 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     return absl::InvalidArgumentError("--backend=cuda: this kvcached was built without CUDA");
   }
 #endif
+  std::optional<EngineSnapshot> snapshot;
+  if (!options.state_dir.empty()) {
+    // Device memory dies with the process, and workers map private host memory not at
+    // all: such pools cannot be re-attached, so a snapshot could not keep its promise.
+    if (options.pool_memory_bytes > 0 &&
+        (options.backend == KvBackend::kCuda || !options.kv_shared_memory)) {
+      return absl::InvalidArgumentError(
+          "--state_dir needs host KV pools in shared memory (--backend=host "
+          "--kv_shared_memory), or no pools: other pools do not survive the process");
+    }
+    ASSIGN_OR_RETURN(snapshot, LoadSnapshot(options));
+  }
   if (options.pool_memory_bytes > 0) {
+    if (snapshot.has_value()) {
+      // Re-attached (and so locked) before the sweep below, which would remove them.
+      absl::StatusOr<std::unique_ptr<KvPools>> attached =
+          KvPools::Create(options.tp_ranks, options.kv_layout, options.pool_memory_bytes,
+                          PoolFactory(options, &*snapshot));
+      if (attached.ok()) {
+        d->pools_ = *std::move(attached);
+      } else {
+        SetSnapshotAside(SnapshotPath(options), attached.status());
+        snapshot.reset();
+      }
+    }
     if (options.backend == KvBackend::kHost && options.kv_shared_memory) {
       // A SIGKILLed instance could not unlink its pools; without this they would hold
-      // node memory until reboot. A restore that re-attaches pools (ServerOptions::
-      // keep_kv_pools_on_exit) must do so before this: the sweep skips objects a live
-      // process holds, this one included.
+      // node memory until reboot. The pools re-attached above are locked by now: the
+      // sweep skips objects a live process holds, this one included.
       for (const std::string& name : RemoveStaleSharedMemory(IsDeadInstancesPool)) {
         std::fprintf(stderr, "kvcached: removed %s, a KV pool its dead kvcached left behind\n",
                      name.c_str());
       }
     }
-    ASSIGN_OR_RETURN(d->pools_, KvPools::Create(options.tp_ranks, options.kv_layout,
-                                                options.pool_memory_bytes,
-                                                PoolFactory(options)));
+    if (d->pools_ == nullptr) {
+      ASSIGN_OR_RETURN(d->pools_, KvPools::Create(options.tp_ranks, options.kv_layout,
+                                                  options.pool_memory_bytes,
+                                                  PoolFactory(options)));
+    }
   }
   d->pool_gauges_ = std::make_shared<PoolGauges>(d->pools_.get(),
                                                   std::string(KvBackendName(options.backend)));
@@ -224,6 +303,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   table_options.engine_device = options.engine_device;
   if (table_options.engine_backend != nullptr) d->engine_name_ = table_options.engine_backend->name;
   d->table_ = std::make_unique<SequenceTable>(table_options);
+  if (snapshot.has_value()) {
+    const RestoreReport report = RestoreEngine(*snapshot, d->table_.get(), d->pools_.get());
+    for (const std::string& failure : report.failures) {
+      std::fprintf(stderr, "kvcached: ERROR: a sequence of the snapshot was not restored: %s\n",
+                   EscapeText(failure).c_str());
+    }
+    std::fprintf(stderr,
+                 "kvcached: restored %lld of %zu sequence(s) and %zu KV pool(s) from %s (written "
+                 "by pid %lld)\n",
+                 static_cast<long long>(report.restored), snapshot->sequences.size(),
+                 snapshot->pools.size(), SnapshotPath(options).c_str(),
+                 static_cast<long long>(snapshot->pid));
+    d->restored_snapshot_path_ = SnapshotPath(options);
+  }
   const int32_t engine_threads =
       options.engine_threads > 0
           ? options.engine_threads
@@ -328,7 +421,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
   }
   d->grpc_address_ = WithPort(options.listen, port);
+  // Before the restored snapshot goes: a start that fails here keeps it for the next.
   RETURN_IF_ERROR(d->StartHealthServer());
+  if (!d->restored_snapshot_path_.empty()) {
+    // Restored and serving: a later crash must not bring this state back.
+    if (std::remove(d->restored_snapshot_path_.c_str()) != 0) {
+      std::fprintf(stderr, "kvcached: ERROR: cannot remove the restored snapshot %s: %s\n",
+                   d->restored_snapshot_path_.c_str(), std::strerror(errno));
+    }
+  }
+  d->serving_ = true;
   d->ForEachHealth([](HealthService& health) { health.SetServing(true); });
   d->metrics_->SetServing(true);
   d->reclaimer_ = std::thread([daemon = d.get()] { daemon->ReclaimLoop(); });
@@ -460,17 +562,40 @@ void Daemon::Drain(absl::Duration deadline) {
   stop_reclaimer_.Notify();
   if (reclaimer_.joinable()) reclaimer_.join();
   StopEngine();
+  const bool snapshot_written = WriteSnapshot();
   // kvcached's main exits without destructors after the drain, so the pools' names go
-  // here; the memory stays mapped until the process is gone.
-  if (pools_ != nullptr && !options_.keep_kv_pools_on_exit) pools_->UnlinkSharedMemory();
+  // here; the memory stays mapped until the process is gone. A snapshot names them for
+  // the next start to re-attach.
+  if (pools_ != nullptr && !options_.keep_kv_pools_on_exit && !snapshot_written) {
+    pools_->UnlinkSharedMemory();
+  }
+}
+
+bool Daemon::WriteSnapshot() {
+  if (options_.state_dir.empty() || !serving_ || table_ == nullptr) return false;
+  const std::string path = SnapshotPath(options_);
+  const EngineSnapshot snapshot = CaptureEngine(*table_, pools_.get(), getpid());
+  if (absl::Status written = WriteSnapshotFile(path, snapshot); !written.ok()) {
+    std::fprintf(stderr,
+                 "kvcached: ERROR: no snapshot written (%s); the %zu open sequence(s) are lost "
+                 "and their workers must re-open them with resume\n",
+                 std::string(written.message()).c_str(), snapshot.sequences.size());
+    return false;
+  }
+  std::fprintf(stderr, "kvcached: wrote %zu sequence(s) and %zu KV pool(s) to %s\n",
+               snapshot.sequences.size(), snapshot.pools.size(), path.c_str());
+  return true;
 }
 
 void Daemon::StopEngine() {
   if (executor_ == nullptr) return;
   executor_.reset();  // runs every task already posted, then joins
   if (table_ == nullptr) return;
+  // Abandoned, not snapshotted: the step changed nothing, and its ranks send it again to
+  // the restarted daemon.
   table_->AbandonPendingSteps(absl::AbortedError(
-      "kvcached stopped while this tensor-parallel step waited for its other ranks"));
+      "kvcached stopped while this tensor-parallel step waited for its other ranks; send "
+      "the step again"));
 }
 
 Daemon::~Daemon() {

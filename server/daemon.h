@@ -76,6 +76,8 @@ class Daemon {
   absl::Status StartHealthServer();
   // Tells every health service (the one on --listen and the one on --health_listen).
   void ForEachHealth(absl::FunctionRef<void(HealthService&)> tell);
+  // The drain's last act with --state_dir: writes the snapshot; true when it did.
+  bool WriteSnapshot();
 
   const ServerOptions options_;
   std::unique_ptr<ServerMetrics> metrics_;
@@ -103,6 +105,9 @@ class Daemon {
   std::thread reclaimer_;
   absl::Notification stop_prober_;
   std::thread prober_;
+  // With --state_dir, the snapshot restored at start, removed once serving.
+  std::string restored_snapshot_path_;
+  bool serving_ = false;  // Start completed: only then may the drain write a snapshot
   Mutex drain_mu_;
   bool drained_ ABSL_GUARDED_BY(drain_mu_) = false;
 };

@@ -3,7 +3,8 @@
 //
 // SIGTERM or SIGINT: health goes NOT_SERVING, in-flight steps finish, the process exits 0
 // within --drain_deadline. Every exit but SIGKILL removes the KV pools' shared memory
-// (docs/RELIABILITY.md); the next start removes what a SIGKILLed instance left.
+// (docs/RELIABILITY.md); the next start removes what a SIGKILLed instance left. With
+// --state_dir the drain instead writes a snapshot that keeps them for the next start.
 #include <malloc.h>
 #include <sys/resource.h>
 
@@ -101,6 +102,11 @@ ABSL_FLAG(absl::Duration, listener_probe_interval, absl::Seconds(10),
           "how often kvcached probes its own listener over a fresh connection; health says "
           "NOT_SERVING while the probe fails, so a liveness probe restarts a wedged daemon "
           "(0: no probe)");
+ABSL_FLAG(std::string, state_dir, "",
+          "restart without loss: on SIGTERM/SIGINT write every open sequence and the KV "
+          "pools' state to DIR/kvcached.snapshot, and at start restore it (re-attaching the "
+          "shared-memory pools) and remove it; an unusable one is moved to "
+          "kvcached.snapshot.corrupt (empty: off)");
 ABSL_FLAG(absl::Duration, listener_probe_timeout, absl::Seconds(5),
           "how long one self-probe of the listener may take");
 ABSL_FLAG(std::string, tls_cert_file, "",
@@ -260,6 +266,7 @@ int main(int argc, char** argv) {
                  "--kv_events_max_subscribers >= 1\n");
     return 2;
   }
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
   options.listener_probe_interval = absl::GetFlag(FLAGS_listener_probe_interval);
   options.listener_probe_timeout = absl::GetFlag(FLAGS_listener_probe_timeout);

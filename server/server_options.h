@@ -91,8 +91,13 @@ struct ServerOptions {
   int64_t memory_limit_bytes = int64_t{8} << 30;
   // Exits (the drain, a fatal signal) unlink the pools' shared memory. A snapshot that
   // re-attaches the pools at the next start sets this on its SIGTERM drain so the names
-  // outlive the process. Not a flag: only such a feature may set it.
+  // outlive the process. Not a flag: only such a feature may set it (the drain keeps the
+  // names on its own once it has written a snapshot, whatever this says).
   bool keep_kv_pools_on_exit = false;
+  // Restart without loss (docs/RELIABILITY.md): when set, the drain writes every open
+  // sequence and the pools' state to DIR/kvcached.snapshot, and the start restores it
+  // (re-attaching the host shared-memory pools it names) and then removes it. "": off.
+  std::string state_dir;
 
   // A StepStream that owes nothing and received no batch for this long is ended
   // (UNAVAILABLE), freeing its max_streams slot; 0: never.

@@ -218,6 +218,19 @@ absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
       FromProto(request.score_dtype(), kernels::ScoreDtype::kFloat32);
   if (!dtype.ok()) return context(dtype.status());
   params.score_dtype = *dtype;
+  if (request.has_resume()) {
+    // The engine checks the values (Sequence::Create); a worker's resume carries no
+    // momentum: the sequence starts from a fresh prefill's over these positions.
+    const v1::ResumeState& resume = request.resume();
+    if (resume.last_step() < 1) {
+      return context(absl::InvalidArgumentError(absl::StrCat(
+          "resume: last_step is ", resume.last_step(),
+          "; it must be >= 1 (a sequence before its first step is opened without resume)")));
+    }
+    SequenceProgress& progress = params.options.resume.emplace();
+    progress.last_step = resume.last_step();
+    progress.positions.assign(resume.cached_positions().begin(), resume.cached_positions().end());
+  }
   return params;
 }
 

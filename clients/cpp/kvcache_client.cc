@@ -301,6 +301,14 @@ v1::OpenSequenceRequest OpenRequest(absl::string_view sequence_id, int64_t prefi
   return request;
 }
 
+v1::OpenSequenceRequest WithResume(v1::OpenSequenceRequest request, int64_t last_step,
+                                   std::span<const int64_t> cached_positions) {
+  v1::ResumeState* resume = request.mutable_resume();
+  resume->set_last_step(last_step);
+  resume->mutable_cached_positions()->Assign(cached_positions.begin(), cached_positions.end());
+  return request;
+}
+
 v1::StepReport* AddReport(v1::StepBatch* batch, absl::string_view sequence_id, int64_t step) {
   v1::StepReport* report = batch->add_reports();
   report->set_sequence_id(std::string(sequence_id));

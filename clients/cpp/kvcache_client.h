@@ -108,6 +108,12 @@ class KvCacheClient {
 v1::OpenSequenceRequest OpenRequest(absl::string_view sequence_id, int64_t prefill_len,
                                     double compression_ratio, absl::string_view preset);
 
+// `request` made to re-create a sequence the daemon lost (killed without a snapshot):
+// decoding continues at last_step + 1 with `cached_positions` (ascending, the tokens whose
+// K/V the worker holds) cached. docs/SPEC.md, "Resuming a sequence".
+v1::OpenSequenceRequest WithResume(v1::OpenSequenceRequest request, int64_t last_step,
+                                   std::span<const int64_t> cached_positions);
+
 // Appends a report for (sequence, step) to the batch and returns it.
 v1::StepReport* AddReport(v1::StepBatch* batch, absl::string_view sequence_id, int64_t step);
 

@@ -90,12 +90,16 @@ SequenceInfo FromState(const v1::SequenceState& s) {
 
 class GrpcBackend : public ReplayBackend {
  public:
-  GrpcBackend(std::unique_ptr<client::KvCacheClient> client, ScoreTransport transport)
-      : client_(std::move(client)), transport_(transport) {}
+  GrpcBackend(std::unique_ptr<client::KvCacheClient> client, ScoreTransport transport,
+              bool adopt_open_sequences)
+      : client_(std::move(client)),
+        transport_(transport),
+        adopt_open_sequences_(adopt_open_sequences) {}
 
   absl::Status Open(const std::string& id, const SequenceOptions& options,
                     int32_t tp_ranks) override {
-    RETURN_IF_ERROR(client_->Open(ToRequest(id, options, tp_ranks)).status());
+    const absl::Status opened = client_->Open(ToRequest(id, options, tp_ranks)).status();
+    if (!(adopt_open_sequences_ && absl::IsAlreadyExists(opened))) RETURN_IF_ERROR(opened);
     streams_.clear();
     for (int32_t r = 0; r < tp_ranks; ++r) {
       ASSIGN_OR_RETURN(std::unique_ptr<client::StepStream> stream, client_->OpenStepStream());
@@ -193,6 +197,7 @@ class GrpcBackend : public ReplayBackend {
 
   std::unique_ptr<client::KvCacheClient> client_;
   const ScoreTransport transport_;
+  const bool adopt_open_sequences_;
   std::vector<std::unique_ptr<client::StepStream>> streams_;
   std::vector<std::unique_ptr<client::ScoreRegion>> regions_;  // [ranks], transport shm
   std::vector<float> partial_;
@@ -205,7 +210,8 @@ absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const GrpcBackendO
   client_options.address = options.address;
   ASSIGN_OR_RETURN(std::unique_ptr<client::KvCacheClient> client,
                    client::KvCacheClient::Connect(client_options));
-  return std::unique_ptr<ReplayBackend>(new GrpcBackend(std::move(client), options.transport));
+  return std::unique_ptr<ReplayBackend>(
+      new GrpcBackend(std::move(client), options.transport, options.adopt_open_sequences));
 }
 
 }  // namespace kvcm::replay

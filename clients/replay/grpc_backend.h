@@ -39,6 +39,9 @@ struct GrpcBackendOptions {
   ScoreTransport transport = ScoreTransport::kGrpc;
   // TLS and bearer token (its address is ignored: `address` above).
   client::ClientOptions connection = {};
+  // Open takes a sequence the daemon already has open (ALREADY_EXISTS: restored from a
+  // snapshot) as it is, and steps it from where it is. For restart tests.
+  bool adopt_open_sequences = false;
 };
 
 absl::StatusOr<std::unique_ptr<ReplayBackend>> NewGrpcBackend(const GrpcBackendOptions& options);

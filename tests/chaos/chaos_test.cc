@@ -168,5 +168,113 @@ TEST(ChaosTest, HostileClientsNeitherStopTheDaemonNorChangeACorrectClientsDecisi
   EXPECT_FALSE(std::filesystem::exists(pool));
 }
 
+// Restart mid-trace (docs/RELIABILITY.md, "Restart without loss"): a correct client is
+// half-way through its trace, another steps under load and a stream never reads its
+// replies when kvcached is stopped with --state_dir; once started again, the correct
+// client's remaining steps decide exactly as on a daemon that never stopped.
+TEST(ChaosTest, ARestartMidTraceUnderLoadChangesNoDecision) {
+  std::string state_dir = (std::filesystem::temp_directory_path() / "kvcm-chaos-XXXXXX").string();
+  ASSERT_NE(mkdtemp(state_dir.data()), nullptr);
+  const std::vector<std::string> flags = {
+      "--backend=host", "--pool_memory_bytes=1048576", "--kv_layers=2", "--kv_heads=1",
+      "--kv_head_dim=4", "--kv_tokens_per_block=4", "--max_inflight_batches=2",
+      "--drain_deadline=2s", "--state_dir=" + state_dir};
+  auto daemon = DaemonProcess::Start(flags);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string pool = "/dev/shm/kvcached-" + std::to_string((*daemon)->pid()) + "-rank0";
+  std::vector<Outcome> reference, restarted;
+  {
+    std::unique_ptr<client::KvCacheClient> c = (*daemon)->Connect();
+    auto stream = c->OpenStepStream();
+    ASSERT_TRUE(stream.ok());
+    reference = StepAll(*c, **stream, "reference");
+    ASSERT_EQ(reference.size(), static_cast<size_t>(kSteps));
+  }
+
+  // The first half, then the stop with load and a stream that never reads.
+  constexpr int64_t kHalf = kSteps / 2;
+  int64_t cached = 0;
+  auto step_range = [&](client::KvCacheClient& c, int64_t from, int64_t to) {
+    auto stream = c.OpenStepStream();
+    ASSERT_TRUE(stream.ok());
+    for (int64_t step = from; step <= to; ++step) {
+      v1::StepBatch batch;
+      client::SetFloat32Scores(client::AddReport(&batch, "restarted", step),
+                               StepScores(step, cached + 1), kLayers);
+      const absl::StatusOr<v1::DecisionBatch> reply = (*stream)->Step(batch);
+      ASSERT_TRUE(reply.ok()) << "step " << step << ": " << reply.status();
+      const v1::Decision& d = reply->decisions(0);
+      restarted.push_back({d.code(), d.cache_size(), {d.evicted().begin(), d.evicted().end()}});
+      cached = d.cache_size();
+    }
+  };
+  {
+    std::unique_ptr<client::KvCacheClient> c = (*daemon)->Connect();
+    const absl::StatusOr<v1::SequenceState> opened =
+        c->Open(client::OpenRequest("restarted", 64, 0.5, "inertia"));
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    cached = opened->cache_size();
+    step_range(*c, 1, kHalf);
+    ASSERT_TRUE(c->Open(client::OpenRequest("hostile", 64, 0.5, "inertia")).ok());
+    ASSERT_TRUE(c->Open(client::OpenRequest("load", 64, 0.5, "inertia")).ok());
+  }
+  grpc::ChannelArguments own;
+  own.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto hostile_channel = grpc::CreateCustomChannel((*daemon)->grpc_address(),
+                                                   grpc::InsecureChannelCredentials(), own);
+  auto hostile_stub = v1::KvCache::NewStub(hostile_channel);
+  grpc::ClientContext hostile_context;
+  auto hostile = hostile_stub->StepStream(&hostile_context);
+  std::thread never_reads([&] {
+    for (int64_t step = 1; step <= 100000; ++step) {
+      v1::StepBatch batch;
+      client::SetFloat32Scores(client::AddReport(&batch, "hostile", step), StepScores(step, 33),
+                               kLayers);
+      if (!hostile->Write(batch)) return;
+    }
+  });
+  std::atomic<bool> stop_load{false};
+  std::thread load([&, address = (*daemon)->grpc_address()] {
+    client::ClientOptions options;
+    options.address = address;
+    auto c = client::KvCacheClient::Connect(options);
+    if (!c.ok()) return;
+    auto s = (*c)->OpenStepStream();
+    if (!s.ok()) return;
+    int64_t load_cached = 64;
+    for (int64_t step = 1; !stop_load.load(); ++step) {
+      v1::StepBatch batch;
+      client::SetFloat32Scores(client::AddReport(&batch, "load", step),
+                               StepScores(step, load_cached + 1), kLayers);
+      const absl::StatusOr<v1::DecisionBatch> reply = (*s)->Step(batch);
+      if (!reply.ok()) return;  // the drain ended the stream
+      load_cached = reply->decisions(0).cache_size();
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(200));  // let the load start; not a correctness wait
+  EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << (*daemon)->Log();
+  stop_load = true;
+  load.join();
+  hostile_context.TryCancel();
+  never_reads.join();
+  EXPECT_TRUE(std::filesystem::exists(pool)) << "the drain did not keep the pool for the restart";
+
+  daemon = DaemonProcess::Start(flags);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  {
+    std::unique_ptr<client::KvCacheClient> c = (*daemon)->Connect();
+    for (const char* id : {"restarted", "hostile", "load"}) {
+      EXPECT_TRUE(c->Inspect(id, false).ok()) << id << " was not restored\n" << (*daemon)->Log();
+    }
+    step_range(*c, kHalf + 1, kSteps);
+  }
+  EXPECT_EQ(restarted, reference) << "a decision changed across the restart";
+  EXPECT_TRUE(FreshHealthServing((*daemon)->grpc_address(), absl::Seconds(10)));
+  // The restarted daemon's drain keeps the pool for a next start: remove both here.
+  EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << (*daemon)->Log();
+  std::filesystem::remove_all(state_dir);
+  std::filesystem::remove(pool);
+}
+
 }  // namespace
 }  // namespace kvcm

@@ -62,7 +62,8 @@ class KvCacheClient:
                       policy: PolicyLike = "inertia", tp_world_size: int = 1,
                       score_dtype: str = "float32", score_layout: str = "per_layer",
                       layers: Optional[int] = None,
-                      decision_encoding: str = "positions") -> SequenceState:
+                      decision_encoding: str = "positions",
+                      resume: Optional[Tuple[int, Sequence[int]]] = None) -> SequenceState:
         """Registers a sequence: ``prefill_len`` prompt tokens and a budget, given as exactly
         one of ``budget_tokens`` (tokens kept) or ``compression_ratio`` (0.9 keeps 10%).
 
@@ -77,6 +78,10 @@ class KvCacheClient:
         step evicts many, e.g. a long prefill's first step) or ``"auto"`` (per decision
         the smaller). A :class:`SequenceBatch` gives ``Decision.evicted`` and
         ``Decision.keep_mask()`` from any of them (docs/PYTHON.md, "Decision encodings").
+        ``resume``: ``(last_step, cached_positions)`` re-creates a sequence the daemon lost
+        (it was killed without a snapshot): decoding continues at ``last_step + 1`` with
+        those positions (ascending) cached; the other arguments are those it was first
+        opened with (docs/SPEC.md, "Resuming a sequence").
         Raises KvCacheError: ALREADY_EXISTS, INVALID_ARGUMENT (budget, policy, layers),
         RESOURCE_EXHAUSTED (the daemon's --max_sequences).
         """
@@ -94,6 +99,10 @@ class KvCacheClient:
             request.budget_tokens = budget_tokens
         if compression_ratio is not None:
             request.compression_ratio = compression_ratio
+        if resume is not None:
+            last_step, cached_positions = resume
+            request.resume.last_step = int(last_step)
+            request.resume.cached_positions.extend(int(p) for p in cached_positions)
         response = self._call(self._stub.OpenSequence, request,
                               f"OpenSequence({sequence_id!r})")
         return SequenceState.from_proto(response.state)
