@@ -137,9 +137,15 @@ def expected_args(v):
         args.append(f"--health_listen=0.0.0.0:{v['ports']['health']}")
     if v["auth"]["tokensSecretName"]:
         args.append("--auth_tokens_file=/etc/kvcached/auth/tokens")
-    if v["state"]["enabled"]:
+    if keeps_state(v):
         args.append("--state_dir=/var/lib/kvcached")
     return args + list(d.get("extraArgs", []))
+
+
+def keeps_state(v):
+    """kvcached takes --state_dir only with host pools in shared memory (or none)."""
+    d = v["daemon"]
+    return v["state"]["enabled"] and d["backend"] != "cuda" and d.get("kvSharedMemory") is not False
 
 
 def check_secrets_and_state(expect, v, c, pod):
@@ -176,8 +182,8 @@ def check_secrets_and_state(expect, v, c, pod):
     else:
         expect("/etc/kvcached/auth" not in mounts, "a token Secret mounted without auth.tokensSecretName")
     m = mounts.get("/var/lib/kvcached")
-    if not state["enabled"]:
-        expect(m is None, "a state volume mounted with state.enabled false")
+    if not keeps_state(v):
+        expect(m is None, "a state volume mounted without a snapshot to keep")
         return
     if not expect(m is not None and not m.get("readOnly"), "the state directory must be mounted writable"):
         return

@@ -118,7 +118,7 @@ app.kubernetes.io/part-of: kvcache-manager
 {{- if .Values.auth.tokensSecretName }}
 - --auth_tokens_file=/etc/kvcached/auth/tokens
 {{- end }}
-{{- if .Values.state.enabled }}
+{{- if include "kvcache-manager.keepsState" . }}
 - --state_dir=/var/lib/kvcached
 {{- end }}
 {{- range $d.extraArgs }}
@@ -129,4 +129,11 @@ app.kubernetes.io/part-of: kvcache-manager
 {{/* The port the kubelet's gRPC probes use: plaintext health beside a TLS gRPC port. */}}
 {{- define "kvcache-manager.probePort" -}}
 {{- if .Values.tls.secretName }}{{ .Values.ports.health }}{{ else }}{{ .Values.ports.grpc }}{{ end }}
+{{- end }}
+
+{{/* True when the drain's snapshot is kept: only host pools in shared memory (or none)
+survive the process, so kvcached refuses --state_dir with cuda or private pools. */}}
+{{- define "kvcache-manager.keepsState" -}}
+{{- $d := .Values.daemon }}
+{{- if and .Values.state.enabled (ne $d.backend "cuda") (ne (toString $d.kvSharedMemory) "false") }}true{{ end }}
 {{- end }}
