@@ -302,6 +302,38 @@ TEST_F(TenantTest, AnotherTenantsSequenceIsNotFoundOnEveryRpcLikeAnUnknownId) {
   EXPECT_TRUE(a->Inspect("s1", false).ok());
 }
 
+// A snapshot keeps each sequence's tenant: after a SIGTERM and restart with --state_dir,
+// each tenant finds its own sequences, the same id stays two sequences, and another
+// tenant still gets NOT_FOUND.
+TEST_F(TenantTest, SequencesKeepTheirTenantAcrossARestart) {
+  WriteTokens(kTwoTenants);
+  const std::string state_dir = Certificates::Get().Path("state-tenants");
+  std::filesystem::remove_all(state_dir);
+  std::filesystem::create_directories(state_dir);
+  const std::vector<std::string> flags = {"--state_dir=" + state_dir};
+  StartDaemon(flags);
+  {
+    std::unique_ptr<client::KvCacheClient> a = As("token-a");
+    std::unique_ptr<client::KvCacheClient> b = As("token-b");
+    ASSERT_TRUE(a->Open(client::OpenRequest("same", 16, 0.5, "tova")).ok());
+    ASSERT_TRUE(a->Open(client::OpenRequest("only-a", 16, 0.5, "tova")).ok());
+    ASSERT_TRUE(b->Open(client::OpenRequest("same", 32, 0.5, "h2o")).ok());
+  }
+  ASSERT_EQ(daemon_->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << daemon_->Log();
+  StartDaemon(flags);
+  std::unique_ptr<client::KvCacheClient> a = As("token-a");
+  std::unique_ptr<client::KvCacheClient> b = As("token-b");
+  absl::StatusOr<v1::SequenceState> a_same = a->Inspect("same", false);
+  absl::StatusOr<v1::SequenceState> b_same = b->Inspect("same", false);
+  ASSERT_TRUE(a_same.ok()) << a_same.status() << daemon_->Log();
+  ASSERT_TRUE(b_same.ok()) << b_same.status();
+  EXPECT_EQ(a_same->prefill_len(), 16);
+  EXPECT_EQ(b_same->prefill_len(), 32);
+  EXPECT_EQ(b->Inspect("only-a", false).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(a->Inspect("only-a", false).ok());
+  std::filesystem::remove_all(state_dir);
+}
+
 TEST_F(TenantTest, AnotherTenantsScoreRegionIsNotRegisteredForIt) {
   WriteTokens(kTwoTenants);
   StartDaemon({"--allow_shm_scores"});
