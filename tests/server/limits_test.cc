@@ -24,6 +24,7 @@ namespace kvcm {
 namespace {
 
 namespace v1 = ::kvcache::v1;
+using ::kvcm::testing::MetricValue;
 using ::kvcm::testing::ResidentBytes;
 using ::kvcm::testing::Scores;
 using ::testing::HasSubstr;
@@ -172,6 +173,9 @@ TEST_F(LimitsTest, MemoryLimitRefusesOpensPastItAndRssStaysBounded) {
   StartDaemon({absl::StrCat("--memory_limit_bytes=", kLimit)});
   const int64_t baseline = ResidentBytes(daemon_->pid());
   ASSERT_GT(baseline, 0);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_limit_bytes"), kLimit);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_bytes"), 0);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_refused_total"), 0);
   // Each needs a little more than 32 MiB of engine state: four fit, the rest are refused.
   int opened = 0;
   absl::Status refused;
@@ -188,9 +192,14 @@ TEST_F(LimitsTest, MemoryLimitRefusesOpensPastItAndRssStaysBounded) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("--memory_limit_bytes"));
   EXPECT_THAT(refused.message(), HasSubstr("left"));
+  const double counted = MetricValue(Metrics(), "kvcache_memory_bytes");
+  EXPECT_GT(counted, 4.0 * (32 << 20));
+  EXPECT_LE(counted, kLimit);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_refused_total"), 4);
   const int64_t peak = ResidentBytes(daemon_->pid());
   EXPECT_LT(peak - baseline, kLimit + (int64_t{16} << 20)) << (peak >> 20) << " MiB";
   for (int i = 0; i < opened; ++i) ASSERT_TRUE(client_->Close(absl::StrCat("p", i)).ok());
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_bytes"), 0);
   // Closed sequences give their memory back, to the limit and (within the reclaimer's
   // next rounds) to the system.
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
