@@ -4,6 +4,9 @@
 // for the same steps, and the daemon's resident memory after the soak must be within 10%
 // of what it was after a warm-up tenth of it (no growth per step, open or close).
 // Size: KVCM_SOAK_SEQUENCES (default 200) x KVCM_SOAK_STEPS (default 2,000).
+// Built with AddressSanitizer (scripts/test.sh stage 2, whose kvcached is sanitized too)
+// the decisions are checked and the RSS bound is not: ASan's quarantine holds what closed
+// sequences and replies freed, so the daemon's RSS grows by design there.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +30,12 @@ namespace {
 
 using ::kvcm::testing::DaemonProcess;
 using ::kvcm::testing::ResidentBytes;
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssBoundHolds = false;
+#else
+constexpr bool kRssBoundHolds = true;
+#endif
 
 constexpr int64_t kLayers = 2;
 constexpr int64_t kPrefill = 32;
@@ -140,6 +149,7 @@ TEST(ChaosTest, ASoakWithClosesAndReopensDecidesAsTheEngineAndHoldsItsMemory) {
               static_cast<long long>(rss_after_soak >> 10));
   ASSERT_GT(rss_after_warm_up, 0);
   EXPECT_GT(reopens, 0);
+  if (!kRssBoundHolds) return;
   EXPECT_LE(static_cast<double>(rss_after_soak), 1.10 * static_cast<double>(rss_after_warm_up))
       << "the daemon grew by more than 10% after its warm-up";
 }
