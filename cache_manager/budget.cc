@@ -37,7 +37,10 @@ absl::StatusOr<int64_t> ResolveBudget(int64_t prefill_len, const BudgetSpec& spe
 bool ByteBudget::TryTakeHere(int64_t bytes) {
   int64_t used = used_.load(std::memory_order_relaxed);
   do {
-    if (bytes > limit_ - used) return false;  // limit_ - used cannot overflow: used >= 0
+    if (bytes > limit_ - used) {  // limit_ - used cannot overflow: used >= 0
+      refused_.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return true;
 }

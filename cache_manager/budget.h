@@ -58,6 +58,9 @@ class ByteBudget {
   int64_t used() const { return used_.load(std::memory_order_relaxed); }
   // Every byte ever Released (a counter): how much memory was freed since a past reading.
   int64_t freed() const { return freed_.load(std::memory_order_relaxed); }
+  // TryTakes this budget had no room for (a counter; a child's refusals count where they
+  // happened): how many requests the limit refused.
+  int64_t refused() const { return refused_.load(std::memory_order_relaxed); }
   int64_t limit() const { return limit_; }
   // What is left under the limit (0 when at or past it).
   int64_t left() const;
@@ -74,6 +77,7 @@ class ByteBudget {
   ByteBudget* const parent_;
   std::atomic<int64_t> used_{0};
   std::atomic<int64_t> freed_{0};
+  std::atomic<int64_t> refused_{0};
 };
 
 }  // namespace kvcm

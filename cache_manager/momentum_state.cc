@@ -114,7 +114,13 @@ int64_t MomentumState::capacity() const {
 int64_t MomentumState::reserved_bytes() const { return BytesFor(capacity(), *backend_); }
 
 int64_t MomentumState::GrownCapacity() const {
-  return std::max(size() + 1, std::min(2 * capacity(), std::max(budget_, size()) + 1));
+  // Saturating: a budget of INT64_MAX tokens is legal (the cache then never evicts), and
+  // budget + 1 wrapped (UBSan, found by open_sequence_fuzzer).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const int64_t most = std::max(budget_, size());
+  const int64_t limit = most < kMax ? most + 1 : kMax;
+  const int64_t doubled = capacity() < kMax / 2 ? 2 * capacity() : kMax;
+  return std::max(size() + 1, std::min(doubled, limit));
 }
 
 int64_t MomentumState::BytesToAppend() const {

@@ -50,8 +50,8 @@ std::string SerializeStepCase(const StepCase& c) {
 
 void QuietProtobufLogs() { google::protobuf::SetLogHandler(nullptr); }
 
-bool TooSlowToFuzz(const kvcache::v1::OpenSequenceRequest& request) {
-  return request.prefill_len() > kMaxFuzzTokens;
+bool TooSlowToFuzz(const kvcache::v1::OpenSequenceRequest& request, int64_t max_tokens) {
+  return request.prefill_len() > max_tokens;
 }
 
 }  // namespace kvcm::fuzz

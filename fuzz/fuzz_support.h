@@ -38,15 +38,16 @@ std::string SerializeStepCase(const StepCase& c);
 // fuzzer tries, which would spend its time writing to stderr). Call once, at start.
 void QuietProtobufLogs();
 
-// Whether `request` opens a prefill longer than kMaxFuzzTokens: a legitimate Open (up to
+// The longest prefill the fuzzers open.
+inline constexpr int64_t kMaxFuzzTokens = int64_t{1} << 16;
+
+// Whether `request` opens a prefill longer than `max_tokens`: a legitimate Open (up to
 // --max_sequence_tokens), but one whose allocation and first step would spend the
 // fuzzer's time on one input. Budgets are not capped: a sequence's memory grows with its
 // cache, not with its budget. (The overflow and allocation bugs these inputs once reached
 // are fixed; fuzz/regressions/ keeps the inputs that found them, replayed by fuzz.sh.)
-bool TooSlowToFuzz(const kvcache::v1::OpenSequenceRequest& request);
-
-// The longest prefill the fuzzers open.
-inline constexpr int64_t kMaxFuzzTokens = int64_t{1} << 16;
+bool TooSlowToFuzz(const kvcache::v1::OpenSequenceRequest& request,
+                   int64_t max_tokens = kMaxFuzzTokens);
 
 }  // namespace kvcm::fuzz
 

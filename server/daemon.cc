@@ -332,6 +332,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     d->regions_ = std::make_unique<ScoreRegions>(regions);
   }
   d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());
+  d->limit_gauges_ = std::make_shared<LimitGauges>(d->table_->memory_budget());
 
   if (!options.metrics_listen.empty()) {
     // prometheus-cpp reports bind failures by throwing; keep that inside this module.
@@ -346,6 +347,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     d->exposer_->RegisterCollectable(d->table_gauges_);
     d->exposer_->RegisterCollectable(d->pool_gauges_);
     d->exposer_->RegisterCollectable(d->kv_event_gauges_);
+    d->exposer_->RegisterCollectable(d->limit_gauges_);
     const std::vector<int> ports = d->exposer_->GetListeningPorts();
     d->metrics_address_ =
         ports.empty() ? options.metrics_listen : WithPort(options.metrics_listen, ports[0]);
@@ -381,6 +383,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     // Our own accept loop (server/tcp_listener.h): a connection limit, and no wedge after
     // an EMFILE. The TLS handshake, if any, is gRPC's, on the fds it is handed.
     ASSIGN_OR_RETURN(d->tcp_listener_, TcpListener::Bind(options.listen, options.max_connections));
+    d->limit_gauges_->SetListener(d->tcp_listener_.get());
     acceptor = builder.experimental().AddExternalConnectionAcceptor(
         grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   }

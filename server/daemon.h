@@ -89,6 +89,7 @@ class Daemon {
   std::unique_ptr<StepExecutor> executor_;
   std::unique_ptr<ScoreRegions> regions_;  // with --allow_shm_scores
   std::shared_ptr<TableGauges> table_gauges_;
+  std::shared_ptr<LimitGauges> limit_gauges_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<BearerTokens> tokens_;  // with --auth_tokens_file; before service_
   std::unique_ptr<KvCacheService> service_;

@@ -14,11 +14,14 @@ namespace v1 = ::kvcache::v1;
 // Every unary RPC goes through this: counts the request, and its failure by code.
 class UnaryCall {
  public:
-  UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
+  UnaryCall(Rpc rpc, grpc::ServerUnaryReactor* reactor, ServerMetrics* metrics,
             int64_t request_bytes)
-      : rpc_(rpc), reactor_(context->DefaultReactor()), metrics_(metrics) {
+      : rpc_(rpc), reactor_(reactor), metrics_(metrics) {
     metrics_->Request(rpc, request_bytes);
   }
+  UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
+            int64_t request_bytes)
+      : UnaryCall(rpc, context->DefaultReactor(), metrics, request_bytes) {}
   UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
             const google::protobuf::Message& request)
       : UnaryCall(rpc, context, metrics, static_cast<int64_t>(request.ByteSizeLong())) {}
@@ -61,6 +64,41 @@ grpc::ServerUnaryReactor* RawUnary(Rpc rpc, grpc::CallbackServerContext* context
   absl::Status status = handle(request, *tenant, &response);
   if (status.ok()) SerializeTo(response, raw_response);
   return call.Finish(status);
+}
+
+// A unary call whose reply holds bytes charged to the memory budget (--memory_limit_bytes):
+// they are given back when gRPC is done with the call, the reply sent or the call dropped.
+class ChargedReplyReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit ChargedReplyReactor(ByteBudget* budget) : budget_(budget) {}
+  // Charges `bytes` when they fit; false (nothing taken) when not, with the refusal.
+  absl::Status Charge(int64_t bytes, absl::string_view what) {
+    const ByteBudget* refused_by = budget_;
+    if (!budget_->TryTake(bytes, &refused_by)) {
+      return absl::ResourceExhaustedError(absl::StrCat(what, ": ", refused_by->Refusal(bytes)));
+    }
+    charged_ += bytes;
+    return absl::OkStatus();
+  }
+  void OnDone() override {
+    if (charged_ > 0) budget_->Release(charged_);
+    delete this;
+  }
+
+ private:
+  ~ChargedReplyReactor() override = default;
+  ByteBudget* const budget_;
+  int64_t charged_ = 0;
+};
+
+// Bytes an InspectSequence reply with include_cache holds at its peak, for a cache of
+// `tokens` and `ranks` KV pools: each token's position (int64), momentum (float) and slot
+// per rank (int64) in the table's snapshot and again in the response message, plus the
+// serialized reply (a varint of at most 10 bytes for each int64).
+int64_t InspectReplyBytes(int64_t tokens, int32_t ranks) {
+  const int64_t in_memory = 8 + 4 + 8 * int64_t{ranks};
+  const int64_t on_wire = 10 + 4 + 10 * int64_t{ranks};
+  return tokens * (2 * in_memory + on_wire);
 }
 
 }  // namespace
@@ -152,17 +190,35 @@ grpc::ServerUnaryReactor* KvCacheService::CloseSequence(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* KvCacheService::InspectSequence(grpc::CallbackServerContext* context,
                                                           const grpc::ByteBuffer* raw_request,
                                                           grpc::ByteBuffer* raw_response) {
-  return RawUnary<v1::InspectSequenceRequest, v1::InspectSequenceResponse>(
-      Rpc::kInspectSequence, context, metrics_, Authenticate(context), *raw_request,
-      raw_response,
-      [this](const v1::InspectSequenceRequest& request, const std::string& tenant,
-             v1::InspectSequenceResponse* response) {
-        absl::StatusOr<SequenceInfo> info =
-            table_->Inspect(request.sequence_id(), request.include_cache(), tenant);
-        if (!info.ok()) return info.status();
-        ToProto(*info, absl::Now(), response->mutable_state());
-        return absl::OkStatus();
-      });
+  // The reply's bytes are held until OnDone, so the reactor is our own, not RawUnary's.
+  auto* reactor = new ChargedReplyReactor(table_->memory_budget());
+  UnaryCall call(Rpc::kInspectSequence, reactor, metrics_,
+                 static_cast<int64_t>(raw_request->Length()));
+  const absl::StatusOr<std::string> tenant = Authenticate(context);
+  if (!tenant.ok()) return call.Finish(tenant.status());
+  v1::InspectSequenceRequest request;
+  if (absl::Status parsed = ParseRequest(*raw_request, &request); !parsed.ok()) {
+    return call.Finish(parsed);
+  }
+  if (request.include_cache()) {
+    // The reply grows with the cache (up to --max_sequence_tokens entries): its bytes are
+    // taken before it is built, as a step takes what its growth needs. Steps decided in
+    // between add a token each at most (the cache stops at its budget); not charged.
+    absl::StatusOr<SequenceInfo> brief = table_->Inspect(request.sequence_id(), false, *tenant);
+    if (!brief.ok()) return call.Finish(brief.status());
+    const int32_t ranks = pools_ != nullptr ? pools_->ranks() : 0;
+    if (absl::Status charged = reactor->Charge(InspectReplyBytes(brief->cache_size, ranks),
+                                               "InspectSequence with include_cache");
+        !charged.ok()) {
+      return call.Finish(charged);
+    }
+  }
+  absl::StatusOr<SequenceInfo> info = table_->Inspect(request.sequence_id(), request.include_cache(), *tenant);
+  if (!info.ok()) return call.Finish(info.status());
+  v1::InspectSequenceResponse response;
+  ToProto(*info, absl::Now(), response.mutable_state());
+  SerializeTo(response, raw_response);
+  return call.Finish(absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* context,

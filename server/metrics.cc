@@ -5,6 +5,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "cache_manager/policy.h"
+#include "server/tcp_listener.h"
 
 namespace kvcm::server {
 namespace {
@@ -415,6 +416,28 @@ std::vector<prometheus::MetricFamily> TableGauges::Collect() const {
                   seen),
       GaugeFamily("kvcache_retention_ratio", "kvcache_tokens_retained / kvcache_tokens_seen",
                   ratio),
+  };
+}
+
+std::vector<prometheus::MetricFamily> LimitGauges::Collect() const {
+  const TcpListener* listener = listener_.load();
+  return {
+      GaugeFamily("kvcache_memory_bytes",
+                  "Bytes counted against --memory_limit_bytes (engine state, decision and "
+                  "reply buffers, pending tensor-parallel partial sums)",
+                  {{{}, static_cast<double>(memory_->used())}}),
+      GaugeFamily("kvcache_memory_limit_bytes", "--memory_limit_bytes",
+                  {{{}, static_cast<double>(memory_->limit())}}),
+      CounterFamily("kvcache_memory_refused_total",
+                    "Requests refused with RESOURCE_EXHAUSTED by --memory_limit_bytes",
+                    static_cast<double>(memory_->refused())),
+      CounterFamily("kvcache_connections_refused_total",
+                    "TCP connections accepted and closed at once at --max_connections",
+                    listener != nullptr ? static_cast<double>(listener->refused_at_limit()) : 0),
+      CounterFamily("kvcache_accept_errors_total",
+                    "accept4 failures on the TCP listener (EMFILE, ENFILE, ENOBUFS, ENOMEM, "
+                    "other)",
+                    listener != nullptr ? static_cast<double>(listener->accept_errors()) : 0),
   };
 }
 

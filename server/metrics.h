@@ -7,6 +7,7 @@
 #define KVCM_SERVER_METRICS_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -14,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "cache_manager/budget.h"
 #include "cache_manager/eviction_decision.h"
 #include "cache_manager/kv_events.h"
 #include "cache_manager/kv_pools.h"
@@ -161,6 +163,26 @@ class KvEventGauges : public prometheus::Collectable {
 
  private:
   const KvEventLog* log_;  // may be null
+};
+
+class TcpListener;
+
+// The daemon's limits, read when Prometheus scrapes: kvcache_memory_bytes and
+// kvcache_memory_limit_bytes (what --memory_limit_bytes counts, and the limit),
+// kvcache_memory_refused_total (requests it refused), and the TCP listener's
+// kvcache_connections_refused_total (at --max_connections) and
+// kvcache_accept_errors_total (EMFILE and the like); those two stay 0 without a TCP
+// listener (a unix: address) until SetListener.
+class LimitGauges : public prometheus::Collectable {
+ public:
+  explicit LimitGauges(const ByteBudget* memory) : memory_(memory) {}
+  // `listener` (may be null) must outlive every later Collect.
+  void SetListener(const TcpListener* listener) { listener_.store(listener); }
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const ByteBudget* memory_;
+  std::atomic<const TcpListener*> listener_{nullptr};
 };
 
 }  // namespace kvcm::server

@@ -201,6 +201,7 @@ bool TcpListener::AcceptPending(int listen_fd) {
         case ENFILE:
         case ENOBUFS:
         case ENOMEM: {
+          ++accept_errors_;
           if (spare_fd_ < 0 && (spare_fd_ = OpenSpare()) < 0) return false;
           close(spare_fd_);
           const int shed = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
@@ -212,6 +213,7 @@ bool TcpListener::AcceptPending(int listen_fd) {
           continue;
         }
         default:
+          ++accept_errors_;
           std::fprintf(stderr, "kvcached: listener: accept4: %s\n", std::strerror(errno));
           return false;
       }
@@ -219,6 +221,7 @@ bool TcpListener::AcceptPending(int listen_fd) {
     if (!Admit(fd)) {
       close(fd);
       ++refused_;
+      ++refused_at_limit_;
       LogRefusal(absl::StrCat("--max_connections=", max_connections_, " reached").c_str());
       continue;
     }

@@ -61,6 +61,11 @@ class TcpListener {
 
   // Connections refused so far (at the limit, or for want of a descriptor).
   int64_t refused() const { return refused_.load(); }
+  // Of them, those refused at max_connections (counters, for /metrics).
+  int64_t refused_at_limit() const { return refused_at_limit_.load(); }
+  // accept4 failures other than an empty backlog or a connection the client already
+  // dropped: EMFILE, ENFILE, ENOBUFS, ENOMEM and the unexpected (a counter).
+  int64_t accept_errors() const { return accept_errors_.load(); }
 
  private:
   TcpListener(std::vector<int> listen_fds, int port, int64_t max_connections);
@@ -85,6 +90,8 @@ class TcpListener {
   std::atomic<bool> stopped_{false};
   std::atomic<int> probe_port_{-1};
   std::atomic<int64_t> refused_{0};
+  std::atomic<int64_t> refused_at_limit_{0};
+  std::atomic<int64_t> accept_errors_{0};
   // Accept thread only: descriptor -> inode of the socket accepted on it.
   absl::flat_hash_map<int, ino_t> connections_;
   absl::Time last_refusal_log_ = absl::InfinitePast();

@@ -77,6 +77,21 @@ TEST(RequestOverflowTest, ASequenceWithWrappingProtectionsIsNeverOpened) {
   }
 }
 
+TEST(RequestOverflowTest, ABudgetOfTheLargestTokenCountGrowsTheCacheWithoutWrapping) {
+  // The growth of the engine state is capped at budget + 1 tokens: INT64_MAX + 1 wrapped
+  // (UBSan; fuzz/regressions/open_sequence/budget-plus-one-overflow).
+  SequenceTable table;
+  ASSERT_TRUE(table.Open("max", PresetOptions(16, kMax, "streaming_llm")).ok());
+  for (int64_t step = 1; step <= 40; ++step) {
+    ASSERT_TRUE(StepWithoutScores(table, "max", step).ok()) << step;
+  }
+  absl::StatusOr<SequenceInfo> info = table.Inspect("max", false);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->cache_size, 56);  // nothing evicted
+  // The arrays doubled, 17 -> 34 -> 68 slots; the wrapped cap grew them one slot a step.
+  EXPECT_GE(table.memory_bytes(), MomentumState::BytesFor(68, kernels::CpuBackend()));
+}
+
 TEST(MemoryTest, AHugeBudgetHoldsOnlyThePrefillAndGrowsWithTheCache) {
   SequenceTable table;
   ASSERT_TRUE(table.Open("big", PresetOptions(16, 50'000'000, "streaming_llm")).ok());

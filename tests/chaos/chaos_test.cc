@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "tests/chaos/chaos_client.h"
 #include "tests/server/daemon_process.h"
 
 namespace kvcm {
@@ -30,24 +31,12 @@ constexpr int kSteps = 150;
 constexpr int kLayers = 2;
 constexpr int kHalfOpen = 500;
 
-// Deterministic scores of step `step` for a cache of `tokens`: [layers, tokens] f32.
+// The scores of step `step` for a cache of `tokens`: [layers, tokens] f32.
 std::vector<float> StepScores(int64_t step, int64_t tokens) {
-  std::vector<float> s(static_cast<size_t>(kLayers * tokens));
-  uint64_t x = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(step + 1);
-  for (float& v : s) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    v = static_cast<float>(x % 10000) / 10000.0f;
-  }
-  return s;
+  return chaos::StepScores(/*seed=*/0, step, kLayers, tokens);
 }
 
-// What a decision says, to compare runs of the same steps.
-struct Outcome {
-  int32_t code;
-  int64_t cache_size;
-  std::vector<int64_t> evicted;
-  bool operator==(const Outcome&) const = default;
-};
+using chaos::Outcome;
 
 // Steps sequence `id` (opened fresh) kSteps times over `stream`; the outcome of each step.
 std::vector<Outcome> StepAll(client::KvCacheClient& c, client::StepStream& stream,
@@ -67,9 +56,8 @@ std::vector<Outcome> StepAll(client::KvCacheClient& c, client::StepStream& strea
       ADD_FAILURE() << id << " step " << step << ": " << reply.status();
       return out;
     }
-    const v1::Decision& d = reply->decisions(0);
-    out.push_back({d.code(), d.cache_size(), {d.evicted().begin(), d.evicted().end()}});
-    cached = d.cache_size();
+    out.push_back(chaos::OutcomeOf(reply->decisions(0)));
+    cached = reply->decisions(0).cache_size();
   }
   return out;
 }

@@ -24,6 +24,7 @@ namespace kvcm {
 namespace {
 
 namespace v1 = ::kvcache::v1;
+using ::kvcm::testing::MetricValue;
 using ::kvcm::testing::ResidentBytes;
 using ::kvcm::testing::Scores;
 using ::testing::HasSubstr;
@@ -178,6 +179,9 @@ TEST_F(LimitsTest, MemoryLimitRefusesOpensPastItAndRssStaysBounded) {
   absl::SleepFor(absl::Seconds(2));  // the reclaimer's trims (every second)
   const int64_t baseline = ResidentBytes(daemon_->pid());
   ASSERT_GT(baseline, 0);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_limit_bytes"), kLimit);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_bytes"), 0);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_refused_total"), 0);
   // Each needs a little more than 32 MiB of engine state: four fit, the rest are refused.
   int opened = 0;
   absl::Status refused;
@@ -194,9 +198,14 @@ TEST_F(LimitsTest, MemoryLimitRefusesOpensPastItAndRssStaysBounded) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("--memory_limit_bytes"));
   EXPECT_THAT(refused.message(), HasSubstr("left"));
+  const double counted = MetricValue(Metrics(), "kvcache_memory_bytes");
+  EXPECT_GT(counted, 4.0 * (32 << 20));
+  EXPECT_LE(counted, kLimit);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_refused_total"), 4);
   const int64_t peak = ResidentBytes(daemon_->pid());
   EXPECT_LT(peak - baseline, kLimit + (int64_t{16} << 20)) << (peak >> 20) << " MiB";
   for (int i = 0; i < opened; ++i) ASSERT_TRUE(client_->Close(absl::StrCat("p", i)).ok());
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_bytes"), 0);
   // Closed sequences give their memory back, to the limit and (within the reclaimer's
   // next rounds) to the system.
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -245,6 +254,48 @@ TEST_F(LimitsTest, RepliesAStreamStillHoldsCountAgainstTheMemoryLimit) {
       client_->Open(client::OpenRequest("q", kOther, 0.9, "streaming_llm")).status();
   EXPECT_TRUE(opened.ok()) << opened;
   EXPECT_TRUE((*stream)->Close().ok());
+}
+
+TEST_F(LimitsTest, AnInspectOfTheCacheIsChargedToTheMemoryLimitWhileItsReplyIsHeld) {
+  // A cache of 2^16 tokens (nothing evicted at ratio 0): its InspectSequence reply with
+  // the cache holds more than 2 MiB (positions and momentum, in the snapshot, the message
+  // and the serialized reply); the limit leaves 1 MiB next to the sequence.
+  constexpr int64_t kPrefill = 1 << 16;
+  constexpr int64_t kLimit = 32 * (kPrefill + 1) + (1 << 20);
+  StartDaemon({absl::StrCat("--memory_limit_bytes=", kLimit)});
+  ASSERT_TRUE(client_->Open(client::OpenRequest("big", kPrefill, 0.0, "streaming_llm")).ok());
+  ASSERT_TRUE(client_->Open(client::OpenRequest("small", 1000, 0.0, "streaming_llm")).ok());
+  const double held = MetricValue(Metrics(), "kvcache_memory_bytes");
+  ASSERT_GT(held, 0);
+
+  const absl::StatusOr<v1::SequenceState> refused = client_->Inspect("big", true);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("InspectSequence with include_cache"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--memory_limit_bytes"));
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_refused_total"), 1);
+  EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_bytes"), held) << "a refusal took bytes";
+  // Without the cache the reply is small; a small cache fits.
+  const absl::StatusOr<v1::SequenceState> brief = client_->Inspect("big", false);
+  ASSERT_TRUE(brief.ok()) << brief.status();
+  EXPECT_EQ(brief->cache_size(), kPrefill);
+  const absl::StatusOr<v1::SequenceState> small = client_->Inspect("small", true);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->positions_size(), 1000);
+  // Its bytes are given back once gRPC is done with the call (just after the client has
+  // the reply).
+  double after = MetricValue(Metrics(), "kvcache_memory_bytes");
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(10);
+       after != held && absl::Now() < give_up; absl::SleepFor(absl::Milliseconds(10))) {
+    after = MetricValue(Metrics(), "kvcache_memory_bytes");
+  }
+  EXPECT_EQ(after, held);
+  // Once "big" is closed, the room it held takes a cache of half its size.
+  ASSERT_TRUE(client_->Close("big").ok());
+  ASSERT_TRUE(client_->Open(client::OpenRequest("big2", kPrefill / 2, 0.0, "streaming_llm")).ok());
+  const absl::StatusOr<v1::SequenceState> fits = client_->Inspect("big2", true);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(fits->positions_size(), kPrefill / 2);
+  ExpectStillServing();
 }
 
 // ---------------------------------------------------------------------------------------

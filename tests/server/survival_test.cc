@@ -197,6 +197,13 @@ bool HealthBecomes(const std::function<std::shared_ptr<grpc::Channel>()>& channe
   return false;
 }
 
+// A counter or gauge of the daemon's /metrics (-1 when it cannot be read).
+double DaemonMetric(const DaemonProcess& daemon, const std::string& series) {
+  absl::StatusOr<std::string> text = testing::HttpGet(daemon.metrics_address(), "/metrics");
+  EXPECT_TRUE(text.ok()) << text.status();
+  return text.ok() ? testing::MetricValue(*text, series) : -1;
+}
+
 void CloseAll(std::vector<int>* fds) {
   for (const int fd : *fds) close(fd);
   fds->clear();
@@ -209,12 +216,16 @@ TEST(ListenerTest, ConnectionsPastTheLimitAreRefusedUntilOneCloses) {
   const std::string address = (*daemon)->grpc_address();
   const std::shared_ptr<grpc::Channel> first = OwnChannel(address);
   ASSERT_EQ(Health(first, absl::Seconds(10)), health::HealthCheckResponse::SERVING);
+  EXPECT_EQ(DaemonMetric(**daemon, "kvcache_connections_refused_total"), 0);
   std::vector<int> idle = {HalfOpenConnection(address)};  // the second connection
   ASSERT_GE(idle[0], 0);
 
   EXPECT_EQ(Health(OwnChannel(address), absl::Seconds(2)), health::HealthCheckResponse::UNKNOWN)
       << "a third connection was served";
   EXPECT_THAT((*daemon)->Log(), HasSubstr("--max_connections=2 reached"));
+  // The channel's tries were each refused (it retries with backoff): at least one.
+  EXPECT_GE(DaemonMetric(**daemon, "kvcache_connections_refused_total"), 1);
+  EXPECT_EQ(DaemonMetric(**daemon, "kvcache_accept_errors_total"), 0);
   CloseAll(&idle);
   EXPECT_TRUE(HealthBecomes([&] { return OwnChannel(address); },
                             health::HealthCheckResponse::SERVING, absl::Seconds(20)))
@@ -247,6 +258,7 @@ TEST(ListenerTest, AfterRunningOutOfDescriptorsTheListenerAcceptsAgain) {
   EXPECT_THAT((*daemon)->Log(), HasSubstr("--max_connections=1000 exceeds"));
   const std::shared_ptr<grpc::Channel> before = OwnChannel(address);
   ASSERT_EQ(Health(before, absl::Seconds(10)), health::HealthCheckResponse::SERVING);
+  EXPECT_EQ(DaemonMetric(**daemon, "kvcache_accept_errors_total"), 0);
 
   std::vector<int> idle;
   for (int i = 0; i < 100; ++i) {
@@ -264,6 +276,9 @@ TEST(ListenerTest, AfterRunningOutOfDescriptorsTheListenerAcceptsAgain) {
       << (*daemon)->Log();
   EXPECT_EQ(Health(before, absl::Seconds(10)), health::HealthCheckResponse::SERVING);
   EXPECT_THAT((*daemon)->Log(), HasSubstr("out of file descriptors"));
+  // Read once descriptors are free again (the metrics port needs one too).
+  EXPECT_GE(DaemonMetric(**daemon, "kvcache_accept_errors_total"), 1);
+  EXPECT_EQ(DaemonMetric(**daemon, "kvcache_connections_refused_total"), 0);
   EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0);
 }
 
