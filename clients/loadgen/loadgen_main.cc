@@ -13,6 +13,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "cache_manager/policy.h"
+#include "clients/cpp/security_flags.h"
 #include "clients/loadgen/loadgen.h"
 
 ABSL_FLAG(std::string, server, "", "kvcached address; empty: in-process engine only");
@@ -27,15 +28,6 @@ ABSL_FLAG(std::string, policy, "inertia", "comma-separated presets, or 'all'");
 ABSL_FLAG(absl::Duration, duration, absl::Seconds(10), "steady-state time per policy");
 ABSL_FLAG(bool, embedded, true, "also run the same work in-process for the ratio");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the synthetic scores");
-ABSL_FLAG(std::string, tls_ca_file, "",
-          "TLS to kvcached: PEM CA certificate(s) that signed the daemon's certificate");
-ABSL_FLAG(std::string, tls_cert_file, "",
-          "mTLS: this client's PEM certificate (with --tls_key_file)");
-ABSL_FLAG(std::string, tls_key_file, "", "mTLS: this client's PEM private key");
-ABSL_FLAG(std::string, tls_server_name, "",
-          "TLS: the name the daemon's certificate must carry, when not --server's host");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "a file holding the bearer token sent to kvcached (kept off the command line)");
 ABSL_FLAG(std::string, transport, "grpc",
           "how scores reach the daemon: grpc (inline bytes) or shm (a shared-memory score "
           "region per stream; kvcached needs --allow_shm_scores)");
@@ -47,10 +39,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   kvcm::loadgen::LoadOptions o;
   o.server = absl::GetFlag(FLAGS_server);
-  if (absl::Status applied = kvcm::client::ApplySecurityFlags(
-      absl::GetFlag(FLAGS_tls_ca_file), absl::GetFlag(FLAGS_tls_cert_file),
-      absl::GetFlag(FLAGS_tls_key_file), absl::GetFlag(FLAGS_tls_server_name),
-      absl::GetFlag(FLAGS_auth_token_file), &o.connection);
+  if (absl::Status applied = kvcm::client::ApplySecurityFlagsFromCommandLine(&o.connection);
       !applied.ok()) {
     std::cerr << "kvcache-loadgen: " << applied.message() << "\n";
     return 2;

@@ -24,6 +24,9 @@
 #include "clients/replay/replay_backend.h"
 #include "clients/replay/replay_run.h"
 #include "kernels/backend.h"
+#ifdef KVCM_REPLAY_HAS_GRPC
+#include "clients/cpp/security_flags.h"
+#endif
 #ifdef KVCM_REPLAY_HAS_CUDA
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -44,15 +47,6 @@ ABSL_FLAG(std::string, policy, "", "replace the trace's policy with this preset"
 ABSL_FLAG(std::string, server, "",
           "replay through the kvcached at this address instead of the embedded engine "
           "(with --tp N: N concurrent rank streams)");
-ABSL_FLAG(std::string, tls_ca_file, "",
-          "TLS to kvcached: PEM CA certificate(s) that signed the daemon's certificate");
-ABSL_FLAG(std::string, tls_cert_file, "",
-          "mTLS: this client's PEM certificate (with --tls_key_file)");
-ABSL_FLAG(std::string, tls_key_file, "", "mTLS: this client's PEM private key");
-ABSL_FLAG(std::string, tls_server_name, "",
-          "TLS: the name the daemon's certificate must carry, when not --server's host");
-ABSL_FLAG(std::string, auth_token_file, "",
-          "a file holding the bearer token sent to kvcached (kept off the command line)");
 ABSL_FLAG(std::string, transport, "grpc",
           "with --server, how the scores travel: grpc (inline in each report) or shm (in a "
           "shared-memory score region per rank stream that the reports reference; kvcached "
@@ -82,10 +76,7 @@ absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend(
   kvcm::replay::GrpcBackendOptions options;
   options.address = server;
   options.transport = transport;
-  if (absl::Status applied = kvcm::client::ApplySecurityFlags(
-      absl::GetFlag(FLAGS_tls_ca_file), absl::GetFlag(FLAGS_tls_cert_file),
-      absl::GetFlag(FLAGS_tls_key_file), absl::GetFlag(FLAGS_tls_server_name),
-      absl::GetFlag(FLAGS_auth_token_file), &options.connection);
+  if (absl::Status applied = kvcm::client::ApplySecurityFlagsFromCommandLine(&options.connection);
       !applied.ok()) {
     return applied;
   }

@@ -36,6 +36,19 @@ std::vector<float> StepScores(int64_t step, int64_t tokens) {
   return chaos::StepScores(/*seed=*/0, step, kLayers, tokens);
 }
 
+// Steps the sequence "load", `cached` tokens cached before step 1, from step 1 on until
+// `stop` is set or the stream ends (the drain).
+void StepLoadUntil(client::StepStream& stream, int64_t cached, const std::atomic<bool>& stop) {
+  for (int64_t step = 1; !stop.load(); ++step) {
+    v1::StepBatch batch;
+    client::SetFloat32Scores(client::AddReport(&batch, "load", step),
+                             StepScores(step, cached + 1), kLayers);
+    const absl::StatusOr<v1::DecisionBatch> reply = stream.Step(batch);
+    if (!reply.ok()) return;
+    cached = reply->decisions(0).cache_size();
+  }
+}
+
 using chaos::Outcome;
 
 // Steps sequence `id` (opened fresh) kSteps times over `stream`; the outcome of each step.
@@ -136,15 +149,7 @@ TEST(ChaosTest, HostileClientsNeitherStopTheDaemonNorChangeACorrectClientsDecisi
     const absl::StatusOr<v1::SequenceState> opened =
         correct->Open(client::OpenRequest("load", 64, 0.5, "inertia"));
     if (!opened.ok()) return;
-    int64_t cached = opened->cache_size();
-    for (int64_t step = 1; !stop_load.load(); ++step) {
-      v1::StepBatch batch;
-      client::SetFloat32Scores(client::AddReport(&batch, "load", step),
-                               StepScores(step, cached + 1), kLayers);
-      const absl::StatusOr<v1::DecisionBatch> reply = (*s)->Step(batch);
-      if (!reply.ok()) return;  // the drain ended the stream
-      cached = reply->decisions(0).cache_size();
-    }
+    StepLoadUntil(**s, opened->cache_size(), stop_load);
   });
   absl::SleepFor(absl::Milliseconds(200));  // let the load start; not a correctness wait
   EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << (*daemon)->Log();
@@ -229,15 +234,7 @@ TEST(ChaosTest, ARestartMidTraceUnderLoadChangesNoDecision) {
     if (!c.ok()) return;
     auto s = (*c)->OpenStepStream();
     if (!s.ok()) return;
-    int64_t load_cached = 64;
-    for (int64_t step = 1; !stop_load.load(); ++step) {
-      v1::StepBatch batch;
-      client::SetFloat32Scores(client::AddReport(&batch, "load", step),
-                               StepScores(step, load_cached + 1), kLayers);
-      const absl::StatusOr<v1::DecisionBatch> reply = (*s)->Step(batch);
-      if (!reply.ok()) return;  // the drain ended the stream
-      load_cached = reply->decisions(0).cache_size();
-    }
+    StepLoadUntil(**s, /*cached=*/64, stop_load);
   });
   absl::SleepFor(absl::Milliseconds(200));  // let the load start; not a correctness wait
   EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << (*daemon)->Log();

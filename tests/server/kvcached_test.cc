@@ -358,19 +358,24 @@ TEST_F(KvcachedTest, ClientDisconnectingMidStreamLeavesTheDaemonAndOtherRanksWor
   EXPECT_EQ(EventualMetric("kvcache_streams_open", 0), 0);
 }
 
-TEST_F(KvcachedTest, HealthIsServingThenNotServingOnSigterm) {
-  daemon_.reset();
-  StartDaemon({"--drain_deadline=60s"});
-  auto channel = grpc::CreateChannel(daemon_->grpc_address(), grpc::InsecureChannelCredentials());
-  auto health = grpc::health::v1::Health::NewStub(channel);
+// Health says SERVING for the whole server and for kvcache.v1.KvCache.
+void ExpectServing(grpc::health::v1::Health::Stub& health) {
   for (const char* service : {"", "kvcache.v1.KvCache"}) {
     grpc::ClientContext context;
     grpc::health::v1::HealthCheckRequest request;
     request.set_service(service);
     grpc::health::v1::HealthCheckResponse response;
-    ASSERT_TRUE(health->Check(&context, request, &response).ok());
+    ASSERT_TRUE(health.Check(&context, request, &response).ok()) << service;
     EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
   }
+}
+
+TEST_F(KvcachedTest, HealthIsServingThenNotServingOnSigterm) {
+  daemon_.reset();
+  StartDaemon({"--drain_deadline=60s"});
+  auto channel = grpc::CreateChannel(daemon_->grpc_address(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  ExpectServing(*health);
   grpc::ClientContext watch_context;
   grpc::health::v1::HealthCheckRequest request;
   request.set_service("kvcache.v1.KvCache");
@@ -406,14 +411,7 @@ TEST_F(KvcachedTest, TheHealthPortServesHealthAloneAndFollowsTheDrain) {
   auto channel =
       grpc::CreateChannel(daemon_->health_address(), grpc::InsecureChannelCredentials());
   auto health = grpc::health::v1::Health::NewStub(channel);
-  for (const char* service : {"", "kvcache.v1.KvCache"}) {
-    grpc::ClientContext context;
-    grpc::health::v1::HealthCheckRequest request;
-    request.set_service(service);
-    grpc::health::v1::HealthCheckResponse response;
-    ASSERT_TRUE(health->Check(&context, request, &response).ok());
-    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
-  }
+  ExpectServing(*health);
   // Nothing but health: the KvCache service is not there.
   {
     auto kv = kvcache::v1::KvCache::NewStub(channel);
