@@ -209,8 +209,7 @@ absl::Status ApplySecurityFlags(const std::string& tls_ca_file, const std::strin
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Connect(
-    const ClientOptions& options) {
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       ChannelCredentialsFor(options);
   if (!credentials.ok()) return credentials.status();
@@ -225,8 +224,15 @@ absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Connect(
   if (!options.auth_token.empty()) {
     interceptors.push_back(std::make_unique<BearerTokenInterceptorFactory>(options.auth_token));
   }
-  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
       options.address, *credentials, args, std::move(interceptors));
+}
+
+absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Connect(
+    const ClientOptions& options) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> made = MakeChannel(options);
+  if (!made.ok()) return made.status();
+  std::shared_ptr<grpc::Channel> channel = *std::move(made);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot reach kvcached at ", options.address,
                                                " within ",

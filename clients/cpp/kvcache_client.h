@@ -79,6 +79,11 @@ class StepStream {
   bool closed_ = false;
 };
 
+// A channel to options.address with its TLS and bearer token (the token on every call,
+// through an interceptor), not yet connected: for tools that hold their own stubs.
+// INVALID_ARGUMENT for unreadable TLS files.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options);
+
 class KvCacheClient {
  public:
   // Connects and waits until the channel is ready (UNAVAILABLE after connect_timeout).

@@ -12,6 +12,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "clients/cpp/kvcache_client.h"
+#include "clients/cpp/security_flags.h"
 #include "clients/events/event_watch.h"
 #include "grpcpp/grpcpp.h"
 
@@ -39,8 +41,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvcache-events: --after needs --run (the daemon_run of that event)\n");
     return 2;
   }
-  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_server), grpc::InsecureChannelCredentials());
-  auto stub = kvcache::v1::KvCache::NewStub(channel);
+  kvcm::client::ClientOptions connection;
+  connection.address = absl::GetFlag(FLAGS_server);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = [&] {
+    absl::Status applied = kvcm::client::ApplySecurityFlagsFromCommandLine(&connection);
+    return applied.ok() ? kvcm::client::MakeChannel(connection)
+                        : absl::StatusOr<std::shared_ptr<grpc::Channel>>(applied);
+  }();
+  if (!channel.ok()) {
+    std::fprintf(stderr, "kvcache-events: %s\n", std::string(channel.status().message()).c_str());
+    return 2;
+  }
+  auto stub = kvcache::v1::KvCache::NewStub(*channel);
   kvcm::events::WatchPosition position;
   const absl::Status status = kvcm::events::Watch(
       *stub, options,

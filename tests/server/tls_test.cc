@@ -500,8 +500,9 @@ std::pair<int, std::string> RunCommand(const std::string& command) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
 }
 
-// kvcache-replay and kvcache-loadgen against a daemon with mTLS and bearer tokens: with
-// their TLS and token flags they run; without the token they fail UNAUTHENTICATED.
+// kvcache-replay, kvcache-loadgen and kvcache-events against a daemon with mTLS and bearer
+// tokens: with their TLS and token flags they run; without the token they fail
+// UNAUTHENTICATED.
 TEST_F(TenantTest, ReplayAndLoadgenRunOverMutualTlsWithATokenFile) {
   const Certificates& c = Certificates::Get();
   WriteTokens(kTwoTenants);
@@ -529,6 +530,15 @@ TEST_F(TenantTest, ReplayAndLoadgenRunOverMutualTlsWithATokenFile) {
   auto [missing_rc, missing_out] = RunCommand(loadgen + " --auth_token_file=" + c.Path("nope"));
   EXPECT_EQ(missing_rc, 2) << missing_out;
   EXPECT_THAT(missing_out, HasSubstr("auth token file " + c.Path("nope") + ": cannot be read"));
+  // The events of tenant b: its replay's sequence is closed, so a snapshot of nothing.
+  const std::string events = absl::StrCat(KVCM_BIN_DIR, "/kvcache-events --max_events=2", tls);
+  auto [events_rc, events_out] = RunCommand(events + " --auth_token_file=" + token_file);
+  EXPECT_EQ(events_rc, 0) << events_out;
+  EXPECT_THAT(events_out, HasSubstr("\"kind\":\"resync\""));
+  EXPECT_THAT(events_out, HasSubstr("\"kind\":\"snapshot_done\""));
+  auto [unauth_rc, unauth_out] = RunCommand(events);
+  EXPECT_NE(unauth_rc, 0) << unauth_out;
+  EXPECT_THAT(unauth_out, HasSubstr("UNAUTHENTICATED"));
 }
 
 TEST(UnixSocketTest, TheSocketIsMode0660AndAnUnknownGroupRefusesStart) {
