@@ -13,26 +13,9 @@
 #include "absl/strings/string_view.h"
 #include "clients/cpp/kvcache_client.h"
 #include "clients/replay/replay_backend.h"
+#include "clients/replay/score_transport.h"
 
 namespace kvcm::replay {
-
-// How a report's scores reach the daemon.
-enum class ScoreTransport : uint8_t {
-  kGrpc,  // inline in the StepReport
-  // Written into a shared-memory score region (one per rank stream) that the report
-  // references; the daemon must run with --allow_shm_scores on this node.
-  kShm,
-};
-
-// "grpc" / "shm", and back (nullopt for any other name).
-inline absl::string_view ScoreTransportName(ScoreTransport transport) {
-  return transport == ScoreTransport::kShm ? "shm" : "grpc";
-}
-inline std::optional<ScoreTransport> ParseScoreTransport(absl::string_view name) {
-  if (name == "grpc") return ScoreTransport::kGrpc;
-  if (name == "shm") return ScoreTransport::kShm;
-  return std::nullopt;
-}
 
 struct GrpcBackendOptions {
   std::string address;  // host:port or unix:/path of the kvcached

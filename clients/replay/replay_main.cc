@@ -20,12 +20,13 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
-#include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_backend.h"
 #include "clients/replay/replay_run.h"
+#include "clients/replay/score_transport.h"
 #include "kernels/backend.h"
 #ifdef KVCM_REPLAY_HAS_GRPC
 #include "clients/cpp/security_flags.h"
+#include "clients/replay/grpc_backend.h"
 #endif
 #ifdef KVCM_REPLAY_HAS_CUDA
 #include "kernels/cuda/cuda_adapter.h"
