@@ -394,7 +394,7 @@ int64_t MomentumState::ApplyScores(const kernels::ScoreMatrix& scores,
     d.mirror_valid = false;
     return 0;
   }
-  KVCM_CHECK(space == ScoreSpace::kHost);
+  // A host backend's memory is host memory: kBackend scores are host scores.
   int64_t invalid = 0;
   backend_->update_momentum(momentum_.data(), update_scratch_.data(), size(), scores,
                             options, &invalid, nullptr);
@@ -411,23 +411,33 @@ int64_t MomentumState::ApplyScores(const kernels::ScoreMatrix& scores,
 
 kernels::InvalidScore MomentumState::FindFirstInvalidScore(const kernels::ScoreMatrix& scores,
                                                           ScoreSpace space) const {
-  if (device_ == nullptr || space == ScoreSpace::kHost) {
-    return kernels::FindFirstInvalidScore(scores);
-  }
-  // Device scores: the slow path of an error message reads them back once.
-  DeviceArrays& d = *device_;
-  const kernels::BackendMemory& mem = backend_->mem;
-  std::vector<std::byte> host(ScoreSpanBytes(scores));
-  if (!Check(mem.set_device(d.device)) ||
-      !Check(mem.copy(host.data(), scores.data, host.size(), CopyKind::kBackendToHost,
-                      d.stream)) ||
-      !Check(mem.synchronize(d.stream, "reading invalid scores"))) {
-    return kernels::InvalidScore{};
-  }
-  kernels::ScoreMatrix on_host = scores;
-  on_host.data = host.data();
+  std::vector<std::byte> buffer;
+  const kernels::ScoreMatrix on_host = HostView(scores, space, &buffer);
+  if (on_host.data == nullptr) return kernels::InvalidScore{};
   return kernels::FindFirstInvalidScore(on_host);
 }
+
+kernels::ScoreMatrix MomentumState::HostView(const kernels::ScoreMatrix& scores,
+                                             ScoreSpace space,
+                                             std::vector<std::byte>* buffer) const {
+  if (device_ == nullptr || space == ScoreSpace::kHost) return scores;
+  const size_t row_bytes =
+      static_cast<size_t>(std::max<int64_t>(scores.tokens, 0)) * kernels::ScoreDtypeSize(scores.dtype);
+  buffer->resize(row_bytes * static_cast<size_t>(std::max<int64_t>(scores.layers, 0)));
+  DeviceArrays& d = *device_;
+  const kernels::BackendMemory& mem = backend_->mem;
+  if (!Check(mem.set_device(d.device))) return kernels::ScoreMatrix{};
+  for (int64_t layer = 0; layer < scores.layers; ++layer) {
+    if (!Check(mem.copy(buffer->data() + static_cast<size_t>(layer) * row_bytes, scores.Row(layer),
+                        row_bytes, CopyKind::kBackendToHost, d.stream))) {
+      return kernels::ScoreMatrix{};
+    }
+  }
+  if (!Check(mem.synchronize(d.stream, "reading scores back"))) return kernels::ScoreMatrix{};
+  return kernels::ScoreMatrix::Dense(buffer->data(), scores.dtype, scores.layers, scores.tokens);
+}
+
+int MomentumState::device() const { return device_ != nullptr ? device_->device : 0; }
 
 double MomentumState::MeanMomentum() const {
   double mean = 0.0;

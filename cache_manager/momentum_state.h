@@ -22,6 +22,7 @@
 #ifndef KVCM_CACHE_MANAGER_MOMENTUM_STATE_H_
 #define KVCM_CACHE_MANAGER_MOMENTUM_STATE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -39,7 +40,8 @@ class MomentumState {
   // Where the scores given to ApplyScores live.
   enum class ScoreSpace : uint8_t {
     kHost,     // host memory (copied to the device first on a device backend)
-    kBackend,  // the backend's memory, on `device` (read in place)
+    kBackend,  // the backend's memory, on `device` (read in place; on a host backend
+               // that is host memory, the same as kHost)
   };
 
   // The prefill cache {0 .. prefill_len-1}. Momentum starts at 0, or at each token's own
@@ -98,6 +100,12 @@ class MomentumState {
   kernels::InvalidScore FindFirstInvalidScore(const kernels::ScoreMatrix& scores,
                                               ScoreSpace space = ScoreSpace::kHost) const;
 
+  // `scores` as a host matrix: itself when it is in host memory, otherwise a dense copy
+  // into `buffer` (a download that waits for the device; a failure is sticky and gives
+  // an empty matrix). For the slow paths that read scores on the host.
+  kernels::ScoreMatrix HostView(const kernels::ScoreMatrix& scores, ScoreSpace space,
+                                std::vector<std::byte>* buffer) const;
+
   // The mean momentum of the cached tokens, in double (0 when empty).
   double MeanMomentum() const;
 
@@ -124,6 +132,8 @@ class MomentumState {
   std::vector<uint64_t>& index_scratch() { return select_scratch_; }
 
   const kernels::KernelBackend& backend() const { return *backend_; }
+  // The device of a device backend (0 on the host).
+  int device() const;
   // OK, or the sticky failure of a device backend.
   const absl::Status& status() const { return status_; }
 

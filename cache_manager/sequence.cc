@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/status_macros.h"
@@ -237,10 +239,10 @@ absl::Status Sequence::CheckScores(int64_t step, const kernels::ScoreMatrix& sco
   return absl::OkStatus();
 }
 
-absl::Status Sequence::DescribeInvalidScore(int64_t step,
-                                            const kernels::ScoreMatrix& scores) const {
+absl::Status Sequence::DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores,
+                                            MomentumState::ScoreSpace space) const {
   // Slow path, only after the fused kernel counted a bad element: name the first one.
-  const kernels::InvalidScore bad = kernels::FindFirstInvalidScore(scores);
+  const kernels::InvalidScore bad = state_.FindFirstInvalidScore(scores, space);
   const int64_t position = bad.index >= 0 && bad.index < state_.size()
                                ? state_.positions()[static_cast<size_t>(bad.index)]
                                : prefill_len_ + step - 1;
@@ -253,7 +255,7 @@ absl::Status Sequence::DescribeInvalidScore(int64_t step,
 }
 
 absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
-                            EvictionDecision* decision) {
+                            EvictionDecision* decision, MomentumState::ScoreSpace space) {
   RETURN_IF_ERROR(state_.status());  // a device backend that failed earlier
   if (step != last_step_ + 1) {
     return absl::FailedPreconditionError(
@@ -280,10 +282,10 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
     }
     RETURN_IF_ERROR(CheckScores(step, *scores));
     state_.Append(new_position, 0.0f);
-    const int64_t invalid = state_.ApplyScores(*scores, update_options_);
+    const int64_t invalid = state_.ApplyScores(*scores, update_options_, space);
     if (invalid != 0) {
       state_.PopBack();
-      return DescribeInvalidScore(step, *scores);
+      return DescribeInvalidScore(step, *scores, space);
     }
   } else if (policy_.aggregation == Aggregation::kRecency) {
     state_.Append(new_position, static_cast<float>(new_position));
@@ -330,8 +332,12 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
   // Sampled sequences only (one null test otherwise). On a device backend positions() and
   // momentum() download host copies, on the steps the diagnostics examine.
   if (diagnostics_ != nullptr && scoring && diagnostics_->Examines(stats_.scoring_steps)) {
-    diagnostics_->Observe(stats_.scoring_steps, *scores, state_.positions(), state_.momentum(),
-                          decision->evicted_indices, decision->evicted, &decision->diagnostics);
+    std::vector<std::byte> downloaded;  // device scores: the examined steps read a copy
+    const kernels::ScoreMatrix on_host = state_.HostView(*scores, space, &downloaded);
+    if (on_host.data != nullptr) {  // else the device failed: status() says so from now on
+      diagnostics_->Observe(stats_.scoring_steps, on_host, state_.positions(), state_.momentum(),
+                            decision->evicted_indices, decision->evicted, &decision->diagnostics);
+    }
   }
   return absl::OkStatus();
 }

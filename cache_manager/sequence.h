@@ -95,10 +95,13 @@ class Sequence {
   // layer scores, [layers, cache_size() + 1] in host memory (a folded sequence: exactly
   // one folded row on a scoring step), or nullptr / layers == 0 for none. On success
   // `decision` is overwritten (its vector's capacity is reused).
+  // `space`: where the scores live (MomentumState::ScoreSpace; kBackend: in the memory of
+  // the sequence's backend, read in place, e.g. a daemon-created CUDA score region).
   // Errors: FAILED_PRECONDITION for a step out of order, INVALID_ARGUMENT for missing or
   // malformed scores on a scoring step (folded: any row count but 1).
   absl::Status Step(int64_t step, const kernels::ScoreMatrix* scores,
-                    EvictionDecision* decision);
+                    EvictionDecision* decision,
+                    MomentumState::ScoreSpace space = MomentumState::ScoreSpace::kHost);
 
   // Turns on the eviction-quality diagnostics (cache_manager/diagnostics.h), measuring
   // one pair of consecutive scoring steps per `every`: from then on, measured steps carry
@@ -134,7 +137,8 @@ class Sequence {
            int device, const SequenceProgress* resume);
 
   absl::Status CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const;
-  absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores) const;
+  absl::Status DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores,
+                                    MomentumState::ScoreSpace space) const;
   void EvictRandom(int64_t begin, int64_t end, int64_t k, EvictionDecision* decision);
   uint64_t UniformBelow(uint64_t bound);
 

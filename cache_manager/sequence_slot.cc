@@ -1,7 +1,9 @@
 #include "cache_manager/sequence_slot.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -43,7 +45,9 @@ SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_
       tenant_(std::move(tenant)),
       limits_(limits),
       sequence_(std::move(sequence)),
-      join_(tp_world_size),
+      // Partial sums in the sequence's device memory are joined there.
+      join_(tp_world_size, kernels::CpuBackend(), &sequence_->state().backend(),
+            sequence_->state().device()),
       kv_(std::move(kv)),
       events_(MakeEvents(events, *sequence_, tp_world_size, kv_, tenant_)),
       memory_bytes_(charged_bytes),
@@ -112,7 +116,8 @@ absl::Status SequenceSlot::ReserveStepLocked(int64_t step, const EvictionDecisio
 }
 
 absl::Status SequenceSlot::StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
-                                      EvictionDecision* decision) {
+                                      EvictionDecision* decision,
+                                      MomentumState::ScoreSpace space) {
   // After the first step of a long prefill the slot's decision holds the positions of
   // most of it; steady steps evict one, so give that memory back.
   const auto steady = static_cast<size_t>(sequence_->budget()) + 64;
@@ -122,7 +127,7 @@ absl::Status SequenceSlot::StepLocked(int64_t step, const kernels::ScoreMatrix* 
     SettleBytesLocked();
   }
   if (step == sequence_->last_step() + 1) RETURN_IF_ERROR(ReserveStepLocked(step, decision));
-  absl::Status stepped = StepKvLocked(step, scores, decision);
+  absl::Status stepped = StepKvLocked(step, scores, decision, space);
   SettleBytesLocked();
   RETURN_IF_ERROR(stepped);
   if (events_ != nullptr) events_->Stepped(*decision, kv_.has_value() ? &*kv_ : nullptr);
@@ -130,12 +135,13 @@ absl::Status SequenceSlot::StepLocked(int64_t step, const kernels::ScoreMatrix* 
 }
 
 absl::Status SequenceSlot::StepKvLocked(int64_t step, const kernels::ScoreMatrix* scores,
-                                        EvictionDecision* decision) {
-  if (!kv_.has_value()) return sequence_->Step(step, scores, decision);
+                                        EvictionDecision* decision,
+                                        MomentumState::ScoreSpace space) {
+  if (!kv_.has_value()) return sequence_->Step(step, scores, decision, space);
   // The new token's slot first, so that a full pool rejects the step before it happens.
   const bool in_order = step == sequence_->last_step() + 1;
   if (in_order) RETURN_IF_ERROR(kv_->AppendToken(sequence_->id(), step));
-  absl::Status stepped = sequence_->Step(step, scores, decision);
+  absl::Status stepped = sequence_->Step(step, scores, decision, space);
   if (!stepped.ok()) {
     if (in_order) kv_->UndoAppend();
     return stepped;
@@ -174,7 +180,9 @@ absl::Status SequenceSlot::Submit(const RankReport& report, DecisionWaiter waite
         " reported for a sequence with a single rank"));
   }
   const absl::Time start = absl::Now();
-  RETURN_IF_ERROR(StepLocked(report.step, &report.partial_sums, &decision_));
+  RETURN_IF_ERROR(StepLocked(report.step, &report.partial_sums, &decision_,
+                             report.in_backend ? MomentumState::ScoreSpace::kBackend
+                                               : MomentumState::ScoreSpace::kHost));
   decision_.decide_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   last_active_ = now;
   waiter.sink->OnDecided(waiter.tag, absl::OkStatus(), decision_);
@@ -201,7 +209,10 @@ absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, Decision
   const JoinExpectation expect{sequence.id(), step, sequence.next_score_length(),
                                sequence.policy().IsScoringStep(step)};
   const kernels::ScoreMatrix& p = report.partial_sums;
-  const int64_t bytes = expect.scoring_step && p.layers > 0 && p.tokens > 0
+  // The bytes the join copies (a report in device memory is referenced, not copied).
+  const bool referenced = report.in_backend &&
+                          sequence.state().backend().memory != kernels::MemorySpace::kHost;
+  const int64_t bytes = expect.scoring_step && !referenced && p.layers > 0 && p.tokens > 0
                             ? p.layers * p.tokens * static_cast<int64_t>(ScoreDtypeSize(p.dtype))
                             : 0;
   // Whether this report is a rank's first for the pending step: then its rejection
@@ -239,9 +250,19 @@ absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, Decision
   if (!join_.complete()) return absl::OkStatus();
 
   const absl::Time start = absl::Now();
-  const kernels::ScoreMatrix joined = join_.Join();
   const bool ignored = join_.any_scores_ignored();
-  absl::Status status = StepLocked(step, &joined, &decision_);
+  absl::Status status;
+  if (join_.any_on_device()) {
+    // Joined on the device, where the step reads them in place.
+    absl::StatusOr<kernels::ScoreMatrix> joined = join_.JoinOnDevice();
+    status = joined.ok() ? StepLocked(step, &*joined, &decision_,
+                                      MomentumState::ScoreSpace::kBackend)
+                         : absl::InternalError(absl::StrCat("sequence '", sequence.id(), "' step ",
+                                                            step, ": ", joined.status().message()));
+  } else {
+    const kernels::ScoreMatrix joined = join_.Join();
+    status = StepLocked(step, &joined, &decision_);
+  }
   if (status.ok()) {
     // The ranks' scores on a non-scoring step never reach Sequence::Step (the join drops
     // them), so the accounting of ignored scores happens here.

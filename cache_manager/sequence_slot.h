@@ -170,9 +170,12 @@ class SequenceSlot {
   SequenceInfo SnapshotLocked(bool with_cache) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One step with the KV slots kept in step (when the sequence has them), and its events.
   absl::Status StepLocked(int64_t step, const kernels::ScoreMatrix* scores,
-                          EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          EvictionDecision* decision,
+                          MomentumState::ScoreSpace space = MomentumState::ScoreSpace::kHost)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StepKvLocked(int64_t step, const kernels::ScoreMatrix* scores,
-                            EvictionDecision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            EvictionDecision* decision, MomentumState::ScoreSpace space)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SubmitToJoinLocked(const RankReport& report, DecisionWaiter waiter, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the pending step: every waiting rank gets `status` (with the slot's decision

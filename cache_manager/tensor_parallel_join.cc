@@ -4,15 +4,84 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/check.h"
+#include "cache_manager/status_macros.h"
 #include "kernels/score_validation.h"
 
 namespace kvcm {
 
 TensorParallelJoin::TensorParallelJoin(int32_t world_size,
-                                       const kernels::KernelBackend& backend)
-    : world_size_(world_size), backend_(&backend), slots_(static_cast<size_t>(world_size)) {
+                                       const kernels::KernelBackend& backend,
+                                       const kernels::KernelBackend* device_backend, int device)
+    : world_size_(world_size),
+      backend_(&backend),
+      device_backend_(device_backend != nullptr &&
+                              device_backend->memory != kernels::MemorySpace::kHost
+                          ? device_backend
+                          : nullptr),
+      device_(device),
+      slots_(static_cast<size_t>(world_size)) {
   KVCM_CHECK(world_size >= 1);
   KVCM_CHECK(backend.memory == kernels::MemorySpace::kHost);
+}
+
+TensorParallelJoin::~TensorParallelJoin() {
+  if (device_backend_ == nullptr) return;
+  const kernels::BackendMemory& mem = device_backend_->mem;
+  if (!mem.set_device(device_).ok()) return;  // the device is gone; so is its memory
+  for (Slot& slot : slots_) mem.release(slot.device_copy);
+  mem.release(device_joined_);
+  mem.release(device_invalid_);
+  mem.release_staging(staged_invalid_);
+}
+
+absl::Status TensorParallelJoin::EnsureDeviceBuffer(size_t bytes, void** buffer,
+                                                    size_t* capacity) {
+  if (bytes <= *capacity) return absl::OkStatus();
+  const kernels::BackendMemory& mem = device_backend_->mem;
+  mem.release(*buffer);
+  *buffer = nullptr;
+  *capacity = 0;
+  RETURN_IF_ERROR(mem.allocate(bytes, buffer));
+  *capacity = bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> TensorParallelJoin::CountInvalidOnDevice(const kernels::ScoreMatrix& p) {
+  const kernels::BackendMemory& mem = device_backend_->mem;
+  RETURN_IF_ERROR(mem.set_device(device_));
+  if (stream_ == nullptr) RETURN_IF_ERROR(mem.device_stream(device_, &stream_));
+  if (device_invalid_ == nullptr) {
+    void* d = nullptr;
+    RETURN_IF_ERROR(mem.allocate(sizeof(int64_t), &d));
+    device_invalid_ = static_cast<int64_t*>(d);
+  }
+  if (staged_invalid_ == nullptr) {
+    void* h = nullptr;
+    RETURN_IF_ERROR(mem.allocate_staging(sizeof(int64_t), &h));
+    staged_invalid_ = static_cast<int64_t*>(h);
+  }
+  device_backend_->count_invalid_scores(p, device_invalid_, stream_);
+  RETURN_IF_ERROR(mem.copy(staged_invalid_, device_invalid_, sizeof(int64_t),
+                           kernels::CopyKind::kBackendToHost, stream_));
+  RETURN_IF_ERROR(mem.synchronize(stream_, "validating partial sums"));
+  return *staged_invalid_;
+}
+
+kernels::InvalidScore TensorParallelJoin::FindInvalidOnDevice(const kernels::ScoreMatrix& p) {
+  // The slow path of an error message: one download of the rows.
+  const kernels::BackendMemory& mem = device_backend_->mem;
+  const size_t row_bytes = static_cast<size_t>(p.tokens) * kernels::ScoreDtypeSize(p.dtype);
+  std::vector<std::byte> host(row_bytes * static_cast<size_t>(p.layers));
+  for (int64_t layer = 0; layer < p.layers; ++layer) {
+    if (!mem.copy(host.data() + static_cast<size_t>(layer) * row_bytes, p.Row(layer), row_bytes,
+                  kernels::CopyKind::kBackendToHost, stream_)
+             .ok()) {
+      return kernels::InvalidScore{};
+    }
+  }
+  if (!mem.synchronize(stream_, "reading partial sums back").ok()) return kernels::InvalidScore{};
+  return kernels::FindFirstInvalidScore(
+      kernels::ScoreMatrix::Dense(host.data(), p.dtype, p.layers, p.tokens));
 }
 
 std::vector<int32_t> TensorParallelJoin::MissingRanks() const {
@@ -66,13 +135,35 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
     if (p.data == nullptr || p.layer_stride < p.tokens) {
       return absl::InvalidArgumentError(absl::StrCat(where(), "malformed partial sums"));
     }
+    const bool on_device = report.in_backend && device_backend_ != nullptr;
     int64_t invalid = 0;
-    backend_->count_invalid_scores(p, &invalid, nullptr);
+    if (on_device) {
+      absl::StatusOr<int64_t> counted = CountInvalidOnDevice(p);
+      if (!counted.ok()) {
+        return absl::InternalError(absl::StrCat(where(), counted.status().message()));
+      }
+      invalid = *counted;
+    } else {
+      backend_->count_invalid_scores(p, &invalid, nullptr);
+    }
     if (invalid != 0) {
-      const kernels::InvalidScore bad = kernels::FindFirstInvalidScore(p);
+      const kernels::InvalidScore bad =
+          on_device ? FindInvalidOnDevice(p) : kernels::FindFirstInvalidScore(p);
       return absl::InvalidArgumentError(absl::StrCat(
           where(), "layer ", bad.layer, " partial sum ", bad.index, " is ", bad.value,
           "; partial sums must be finite and >= 0"));
+    }
+    slot.head_count = report.head_count;
+    layers_ = p.layers;
+    if (on_device) {
+      // Accepted, in place: the rows stay where the worker wrote them until the join.
+      slot.view = p;
+      slot.pin = report.pin;
+      slot.on_device = true;
+      any_on_device_ = true;
+      slot.arrived = true;
+      ++arrived_;
+      return absl::OkStatus();
     }
     // Accepted: copy it densely.
     const size_t row_bytes = static_cast<size_t>(p.tokens) * kernels::ScoreDtypeSize(p.dtype);
@@ -82,8 +173,6 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
                   row_bytes);
     }
     slot.view = kernels::ScoreMatrix::Dense(slot.bytes.data(), p.dtype, p.layers, p.tokens);
-    slot.head_count = report.head_count;
-    layers_ = p.layers;
   }
   if (has_scores && !expect.scoring_step) scores_ignored_ = true;
   slot.arrived = true;
@@ -91,8 +180,42 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
   return absl::OkStatus();
 }
 
+absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
+  KVCM_CHECK(complete() && any_on_device_ && device_backend_ != nullptr);
+  const kernels::BackendMemory& mem = device_backend_->mem;
+  RETURN_IF_ERROR(mem.set_device(device_));
+  if (stream_ == nullptr) RETURN_IF_ERROR(mem.device_stream(device_, &stream_));
+  views_.clear();
+  int64_t total_heads = 0;
+  for (Slot& slot : slots_) {
+    if (!slot.on_device) {
+      // A host report of a step the others sent in device memory: uploaded (the copy is
+      // done with the host bytes when it returns; the join reads it on the same stream).
+      RETURN_IF_ERROR(
+          EnsureDeviceBuffer(slot.bytes.size(), &slot.device_copy, &slot.device_copy_bytes));
+      RETURN_IF_ERROR(mem.copy(slot.device_copy, slot.bytes.data(), slot.bytes.size(),
+                               kernels::CopyKind::kHostToBackend, stream_));
+      views_.push_back(kernels::ScoreMatrix::Dense(slot.device_copy, slot.view.dtype,
+                                                   slot.view.layers, slot.view.tokens));
+    } else {
+      views_.push_back(slot.view);
+    }
+    total_heads += slot.head_count;
+  }
+  const kernels::ScoreMatrix& first = views_.front();
+  void* joined = device_joined_;
+  RETURN_IF_ERROR(EnsureDeviceBuffer(
+      static_cast<size_t>(first.layers * first.tokens) * sizeof(float), &joined,
+      &device_joined_bytes_));
+  device_joined_ = static_cast<float*>(joined);
+  device_backend_->join_rank_partials(views_.data(), static_cast<int64_t>(views_.size()),
+                                      total_heads, device_joined_, stream_);
+  return kernels::ScoreMatrix::Dense(device_joined_, kernels::ScoreDtype::kFloat32,
+                                     first.layers, first.tokens);
+}
+
 kernels::ScoreMatrix TensorParallelJoin::Join() {
-  KVCM_CHECK(complete());
+  KVCM_CHECK(complete() && !any_on_device_);
   if (layers_ == 0) return kernels::ScoreMatrix{};
   views_.clear();
   int64_t total_heads = 0;
@@ -113,6 +236,8 @@ void TensorParallelJoin::Reset() {
     slot.arrived = false;
     slot.head_count = 0;
     slot.view = kernels::ScoreMatrix{};
+    slot.on_device = false;
+    slot.pin.reset();
     // The first step of a long prefill is far larger than the steady steps that follow.
     if (slot.bytes.capacity() > 2 * slot.bytes.size() + 4096) slot.bytes.shrink_to_fit();
   }
@@ -120,6 +245,7 @@ void TensorParallelJoin::Reset() {
   arrived_ = 0;
   layers_ = 0;
   scores_ignored_ = false;
+  any_on_device_ = false;
 }
 
 }  // namespace kvcm

@@ -5,21 +5,29 @@
 //
 // where sum_p is rank p's sum of its heads' attention rows and h_p its head count. Each
 // report is validated when it arrives; a rejected report changes nothing and the others
-// keep waiting. Reports are copied (the caller's buffers need not outlive Add) and joined
-// in rank order, so the result does not depend on arrival order. Validation and the join
-// run on the kernel backend the join was made with (kernels/backend.h; the CPU reference
-// by default), over host memory: reports arrive in host memory. Partial sums that sit on
-// the GPUs are joined by kernels/cuda/nccl_communicator.h instead.
+// keep waiting. Reports are joined in rank order, so the result does not depend on
+// arrival order. Two memories:
+//   - host reports are copied (the caller's buffers need not outlive Add), validated and
+//     joined by the host kernel backend the join was made with (the CPU reference by
+//     default);
+//   - reports already in a device's memory (RankReport::in_backend: daemon-created score
+//     regions of a device engine) are referenced in place, kept alive by their pin, and
+//     validated and joined by the device backend on its stream, so that the joined scores
+//     stay on the device (JoinOnDevice) and no partial sum crosses to the host. Host
+//     reports of such a step are uploaded first.
+// Partial sums that sit on several GPUs are joined by kernels/cuda/nccl_communicator.h.
 // Not thread-safe: SequenceTable guards it with the sequence's mutex.
 #ifndef KVCM_CACHE_MANAGER_TENSOR_PARALLEL_JOIN_H_
 #define KVCM_CACHE_MANAGER_TENSOR_PARALLEL_JOIN_H_
 
 #include <cstddef>
 #include <cstdint>
-#include "absl/strings/string_view.h"
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/backend.h"
 #include "kernels/score_matrix.h"
 
@@ -34,6 +42,13 @@ struct RankReport {
   kernels::ScoreMatrix partial_sums;
   // Query heads summed into partial_sums (>= 1 whenever scores are sent).
   int64_t head_count = 0;
+  // partial_sums lie in the memory of the sequence's kernel backend (a daemon-created
+  // score region on the sequence's device) instead of host memory: a single-rank
+  // sequence reads them in place; a tensor-parallel one joins a host copy.
+  bool in_backend = false;
+  // With in_backend: keeps the memory behind partial_sums alive while the step waits for
+  // its other ranks (a score region's mapping; may be null when the caller guarantees it).
+  std::shared_ptr<const void> pin;
 };
 
 // What the step being joined expects of every report.
@@ -46,9 +61,16 @@ struct JoinExpectation {
 
 class TensorParallelJoin {
  public:
-  // REQUIRES: world_size >= 1, backend.memory == kHost.
+  // REQUIRES: world_size >= 1, backend.memory == kHost. `device_backend` (may be null):
+  // the device backend (memory kDevice) of the sequence, on `device`, whose memory
+  // in_backend reports are in; without it in_backend reports are host memory.
   explicit TensorParallelJoin(int32_t world_size,
-                              const kernels::KernelBackend& backend = kernels::CpuBackend());
+                              const kernels::KernelBackend& backend = kernels::CpuBackend(),
+                              const kernels::KernelBackend* device_backend = nullptr,
+                              int device = 0);
+  ~TensorParallelJoin();
+  TensorParallelJoin(const TensorParallelJoin&) = delete;
+  TensorParallelJoin& operator=(const TensorParallelJoin&) = delete;
 
   int32_t world_size() const { return world_size_; }
   int32_t arrived() const { return arrived_; }
@@ -62,9 +84,16 @@ class TensorParallelJoin {
   // on a scoring step); FAILED_PRECONDITION (wrong step, rank already reported).
   absl::Status Add(const RankReport& report, const JoinExpectation& expect);
 
+  // Whether a report of this step is in device memory: then JoinOnDevice, not Join.
+  bool any_on_device() const { return any_on_device_; }
+
   // The joined [layers, tokens] float32 scores, or a matrix with layers == 0 when the step
-  // carries none. Valid until the next Add/Reset. REQUIRES: complete().
+  // carries none. Valid until the next Add/Reset. REQUIRES: complete(), !any_on_device().
   kernels::ScoreMatrix Join();
+  // The same, in the device backend's memory (enqueued on its stream of the device, where
+  // the sequence's step runs next). INTERNAL when the device fails.
+  // REQUIRES: complete(), any_on_device().
+  absl::StatusOr<kernels::ScoreMatrix> JoinOnDevice();
 
   // Forgets the reports of the current step, keeping buffers for the next.
   void Reset();
@@ -72,13 +101,31 @@ class TensorParallelJoin {
  private:
   struct Slot {
     bool arrived = false;
-    kernels::ScoreMatrix view;  // into `bytes`, dense
+    kernels::ScoreMatrix view;  // into `bytes` (dense), or the report's device memory
     int64_t head_count = 0;
     std::vector<std::byte> bytes;
+    bool on_device = false;             // view is the report's own device memory
+    std::shared_ptr<const void> pin;    // ... kept alive by this
+    void* device_copy = nullptr;        // a host report uploaded for JoinOnDevice
+    size_t device_copy_bytes = 0;
   };
+
+  // The device's count of invalid elements of `p` (device memory); INTERNAL on failure.
+  absl::StatusOr<int64_t> CountInvalidOnDevice(const kernels::ScoreMatrix& p);
+  // The first invalid element of `p` (device memory), for the message.
+  kernels::InvalidScore FindInvalidOnDevice(const kernels::ScoreMatrix& p);
+  absl::Status EnsureDeviceBuffer(size_t bytes, void** buffer, size_t* capacity);
 
   const int32_t world_size_;
   const kernels::KernelBackend* const backend_;
+  const kernels::KernelBackend* const device_backend_;
+  const int device_;
+  bool any_on_device_ = false;
+  kernels::StreamHandle stream_ = nullptr;  // the device backend's stream of device_
+  int64_t* device_invalid_ = nullptr;       // [1] device
+  int64_t* staged_invalid_ = nullptr;       // [1] host staging
+  float* device_joined_ = nullptr;
+  size_t device_joined_bytes_ = 0;
   std::vector<Slot> slots_;
   int32_t arrived_ = 0;
   int64_t layers_ = 0;  // of the first scored report of this step, 0 before it

@@ -1,5 +1,7 @@
 #include "cache_manager/tensor_parallel_join.h"
 
+#include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -170,6 +172,80 @@ TEST(TensorParallelJoinTest, MixedDtypesJoinInDouble) {
   const float* v = static_cast<const float*>(join.Join().data);
   EXPECT_EQ(v[0], 0.5f);
   EXPECT_EQ(v[1], 0.5f);
+}
+
+// Reports whose partial sums already sit in a device's memory (the emulated device here:
+// host memory behind the device code path) are referenced in place, pinned until the
+// step is done, validated on the device, and joined there: bit for bit what the host join
+// makes of the same bytes, whichever ranks arrive in device memory.
+TEST(TensorParallelJoinTest, ReportsInDeviceMemoryJoinOnTheDeviceExactlyAsOnTheHost) {
+  const kernels::KernelBackend& device = kernels::EmulatedDeviceBackend();
+  constexpr int64_t kLayers = 3, kTokens = 41;
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<float> u(0.0f, 2.0f);
+  std::vector<std::vector<float>> sums(3, std::vector<float>(kLayers * kTokens));
+  for (auto& rank : sums) {
+    for (float& x : rank) x = u(rng);
+  }
+  const int64_t heads[] = {1, 3, 2};
+  TensorParallelJoin host(3);
+  for (int32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(host.Add(Report(r, 2, sums[r], kLayers, heads[r]), Expect(2, kTokens, true)).ok());
+  }
+  ASSERT_FALSE(host.any_on_device());
+  const kernels::ScoreMatrix want_matrix = host.Join();
+  const float* w = static_cast<const float*>(want_matrix.data);
+  const std::vector<float> want(w, w + kLayers * kTokens);
+
+  // Which ranks send device memory: all, some, one.
+  for (const std::vector<bool>& on_device :
+       {std::vector<bool>{true, true, true}, {false, true, false}, {true, false, true}}) {
+    TensorParallelJoin join(3, kernels::CpuBackend(), &device, 0);
+    std::vector<std::shared_ptr<const void>> pins;
+    for (int32_t r = 2; r >= 0; --r) {  // arrival order: last rank first
+      RankReport report = Report(r, 2, sums[r], kLayers, heads[r]);
+      report.in_backend = on_device[static_cast<size_t>(r)];
+      if (report.in_backend) {
+        pins.push_back(std::make_shared<int>(r));
+        report.pin = pins.back();
+      }
+      ASSERT_TRUE(join.Add(report, Expect(2, kTokens, true)).ok());
+    }
+    ASSERT_TRUE(join.any_on_device());
+    for (const auto& pin : pins) EXPECT_EQ(pin.use_count(), 2) << "the join holds the region";
+    absl::StatusOr<kernels::ScoreMatrix> joined = join.JoinOnDevice();
+    ASSERT_TRUE(joined.ok()) << joined.status();
+    // In the device's memory: not any rank's bytes, nor the host join's.
+    const float* v = static_cast<const float*>(joined->data);
+    EXPECT_NE(joined->data, want_matrix.data);
+    EXPECT_EQ(std::vector<float>(v, v + kLayers * kTokens), want);
+    join.Reset();
+    for (const auto& pin : pins) EXPECT_EQ(pin.use_count(), 1) << "released with the step";
+    EXPECT_FALSE(join.any_on_device());
+  }
+}
+
+TEST(TensorParallelJoinTest, AnInvalidPartialSumInDeviceMemoryIsRefusedByName) {
+  const kernels::KernelBackend& device = kernels::EmulatedDeviceBackend();
+  TensorParallelJoin join(2, kernels::CpuBackend(), &device, 0);
+  const std::vector<float> ok = {0.1f, 0.2f, 0.3f};
+  const std::vector<float> bad = {0.1f, 0.2f, std::numeric_limits<float>::infinity()};
+  RankReport refused = Report(1, 4, bad, 1, 1);
+  refused.in_backend = true;
+  const absl::Status s = join.Add(refused, Expect(4, 3, true));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("rank 1"));
+  EXPECT_THAT(s.message(), HasSubstr("layer 0 partial sum 2 is inf"));
+  EXPECT_EQ(join.arrived(), 0);
+  EXPECT_FALSE(join.any_on_device());
+  RankReport good = Report(1, 4, ok, 1, 1);
+  good.in_backend = true;
+  ASSERT_TRUE(join.Add(good, Expect(4, 3, true)).ok());
+  ASSERT_TRUE(join.Add(Report(0, 4, ok, 1, 1), Expect(4, 3, true)).ok());
+  absl::StatusOr<kernels::ScoreMatrix> joined = join.JoinOnDevice();
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  const float* v = static_cast<const float*>(joined->data);
+  EXPECT_EQ(std::vector<float>(v, v + 3), (std::vector<float>{0.1f, 0.2f, 0.3f}));
 }
 
 }  // namespace

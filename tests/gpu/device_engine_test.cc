@@ -18,6 +18,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache_manager/sequence.h"
@@ -286,7 +287,133 @@ TEST_F(DeviceEngineTest, TheReplayToolOnTheDeviceReproducesEveryGoldenVector) {
   }
 }
 
+// `rows` copied into the device backend's memory (what a worker's capture kernel writes
+// into a daemon-created CUDA score region), freed with the object.
+class BackendScores {
+ public:
+  explicit BackendScores(const kernels::ScoreMatrix& rows) : matrix_(rows) {
+    const kernels::BackendMemory& mem = DeviceBackend().mem;
+    const size_t bytes = static_cast<size_t>((rows.layers - 1) * rows.layer_stride + rows.tokens) *
+                         kernels::ScoreDtypeSize(rows.dtype);
+    kernels::StreamHandle stream = nullptr;
+    EXPECT_TRUE(mem.set_device(0).ok());
+    EXPECT_TRUE(mem.allocate(bytes, &data_).ok());
+    EXPECT_TRUE(mem.device_stream(0, &stream).ok());
+    EXPECT_TRUE(mem.copy(data_, rows.data, bytes, kernels::CopyKind::kHostToBackend, stream).ok());
+    EXPECT_TRUE(mem.synchronize(stream, "test scores").ok());
+    matrix_.data = data_;
+  }
+  ~BackendScores() { DeviceBackend().mem.release(data_); }
+  BackendScores(const BackendScores&) = delete;
+  BackendScores& operator=(const BackendScores&) = delete;
+  const kernels::ScoreMatrix& matrix() const { return matrix_; }
+
+ private:
+  void* data_ = nullptr;
+  kernels::ScoreMatrix matrix_;
+};
+
+// Scores that already sit in the device's memory (ScoreSpace::kBackend, a daemon-created
+// score region) are read in place and decide exactly like host scores on the host, for
+// every dtype and strided rows; a step whose device scores hold an invalid value is
+// refused with the same message (the slow path reads them back) and changes nothing.
+TEST_F(DeviceEngineTest, ScoresInDeviceMemoryDecideLikeHostScores) {
+  std::mt19937_64 rng(91);
+  for (const auto& [preset, dtype] :
+       {std::pair{"inertia", kernels::ScoreDtype::kFloat32},
+        std::pair{"inertia_lazy4", kernels::ScoreDtype::kFloat16},
+        std::pair{"h2o", kernels::ScoreDtype::kBFloat16}}) {
+    SCOPED_TRACE(preset);
+    SequenceOptions options;
+    options.prefill_len = 200;
+    options.budget = BudgetSpec::Tokens(40);
+    options.preset = preset;
+    Pair p = Open(options);
+    ASSERT_NE(p.device, nullptr);
+    for (int64_t step = 1; step <= 30; ++step) {
+      const std::string where = "step " + std::to_string(step);
+      if (!p.host->next_needs_scores()) {
+        StepBoth(p, step, nullptr, where);
+        if (::testing::Test::HasFatalFailure()) return;
+        continue;
+      }
+      const int64_t tokens = p.host->next_score_length();
+      if (step % 5 == 1) {
+        Rows bad = RandomRows(rng, 3, tokens, dtype, false);
+        const size_t at = static_cast<size_t>(tokens / 2);
+        if (dtype == kernels::ScoreDtype::kFloat32) {
+          bad.f32[at] = -1.0f;
+        } else {
+          bad.f16[at] = dtype == kernels::ScoreDtype::kFloat16 ? kernels::FloatToFloat16(-1.0f)
+                                                               : kernels::FloatToBFloat16(-1.0f);
+        }
+        const BackendScores on_device(bad.matrix);
+        EvictionDecision hd, dd;
+        const absl::Status hs = p.host->Step(step, &bad.matrix, &hd);
+        const absl::Status ds = p.device->Step(step, &on_device.matrix(), &dd,
+                                               MomentumState::ScoreSpace::kBackend);
+        ASSERT_EQ(hs.code(), absl::StatusCode::kInvalidArgument) << hs;
+        ASSERT_EQ(ds.code(), hs.code()) << ds;
+        EXPECT_EQ(hs.message().substr(hs.message().find(':')),
+                  ds.message().substr(ds.message().find(':')));
+        ExpectSameState(*p.host, *p.device, where + " (rejected)");
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+      Rows rows = RandomRows(rng, 3, tokens, dtype, false);
+      const BackendScores on_device(rows.matrix);
+      EvictionDecision hd, dd;
+      ASSERT_TRUE(p.host->Step(step, &rows.matrix, &hd).ok());
+      ASSERT_TRUE(
+          p.device->Step(step, &on_device.matrix(), &dd, MomentumState::ScoreSpace::kBackend).ok());
+      ASSERT_EQ(hd.evicted, dd.evicted) << where;
+      ASSERT_EQ(hd.cache_size, dd.cache_size) << where;
+      ExpectSameState(*p.host, *p.device, where);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
 #if !KVCM_DEVICE_ENGINE_CUDA
+// The emulated device, counting the copies from the host into its memory.
+int host_to_device_copies = 0;
+
+absl::Status CountingCopy(void* dst, const void* src, size_t bytes, kernels::CopyKind kind,
+                          kernels::StreamHandle stream) {
+  if (kind == kernels::CopyKind::kHostToBackend) ++host_to_device_copies;
+  return kernels::EmulatedDeviceBackend().mem.copy(dst, src, bytes, kind, stream);
+}
+
+// "In place" is literal: a scoring step with kBackend scores copies nothing from the host
+// to the device, while the same step with host scores uploads them once.
+TEST(DeviceScoresTest, ScoresInDeviceMemoryAreNotCopiedFromTheHost) {
+  static const kernels::KernelBackend counting = [] {
+    kernels::KernelBackend backend = kernels::EmulatedDeviceBackend();
+    backend.name = "counting-device";
+    backend.mem.copy = &CountingCopy;
+    return backend;
+  }();
+  SequenceOptions options;
+  options.prefill_len = 50;
+  options.budget = BudgetSpec::Tokens(20);
+  options.preset = "inertia";
+  options.backend = &counting;
+  absl::StatusOr<std::unique_ptr<Sequence>> s = Sequence::Create("in-place", options);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<float> scores(2 * 51, 0.25f);
+  const auto m = kernels::ScoreMatrix::Dense(scores.data(), kernels::ScoreDtype::kFloat32, 2, 51);
+  EvictionDecision d;
+  // Steps 2 and 3 do the same work (one token in, one out) but for where the scores are.
+  ASSERT_TRUE((*s)->Step(1, &m, &d).ok());
+  const auto steady = kernels::ScoreMatrix::Dense(scores.data(), kernels::ScoreDtype::kFloat32, 2, 21);
+  host_to_device_copies = 0;
+  ASSERT_TRUE((*s)->Step(2, &steady, &d, MomentumState::ScoreSpace::kBackend).ok());
+  const int in_place = host_to_device_copies;
+  host_to_device_copies = 0;
+  ASSERT_TRUE((*s)->Step(3, &steady, &d).ok());
+  EXPECT_EQ(host_to_device_copies, in_place + 1);
+  EXPECT_EQ(in_place, 0);
+}
+
 // A device that fails on demand: the emulated device with its allocation or its waits
 // failing once a countdown reaches zero.
 int allocations_left = 0;
