@@ -61,15 +61,61 @@ std::string PoolShmName(int32_t rank) { return absl::StrCat("/kvcached-", getpid
 // namespace, the lock test alone a kvcached older than the lock.
 bool IsDeadInstancesPool(absl::string_view name) {
   if (!absl::ConsumePrefix(&name, "kvcached-")) return false;
-  const size_t dash = name.find("-rank");
+  // A pool "-rank<r>", or a score region it created "-scores<n>".
+  size_t dash = name.find("-rank");
+  size_t suffix = 5;
+  if (dash == absl::string_view::npos) {
+    dash = name.find("-scores");
+    suffix = 7;
+  }
   if (dash == absl::string_view::npos) return false;
   int64_t pid = 0, rank = 0;
   if (!absl::SimpleAtoi(name.substr(0, dash), &pid) ||
-      !absl::SimpleAtoi(name.substr(dash + 5), &rank) || pid <= 0 || pid > INT32_MAX ||
+      !absl::SimpleAtoi(name.substr(dash + suffix), &rank) || pid <= 0 || pid > INT32_MAX ||
       rank < 0) {
     return false;
   }
   return kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+// Whether `engine` (null: the CPU) decides on a CUDA device, whose memory is not the
+// host's.
+bool IsCudaEngine(const kernels::KernelBackend* engine) {
+#ifdef KVCM_HAS_CUDA
+  return engine == &kernels::cuda::CudaBackend();
+#else
+  (void)engine;
+  return false;
+#endif
+}
+
+// The memory of the score regions kvcached creates: on the engine's GPU for a CUDA
+// engine (exported by IPC handle), else a POSIX shared-memory object (the emulated
+// device's "device memory" is host memory too).
+ScoreRegionAllocator ScoreRegionAllocatorFor(const kernels::KernelBackend* engine, int device) {
+#ifdef KVCM_HAS_CUDA
+  if (IsCudaEngine(engine)) {
+    return [device](int64_t bytes, const std::string& /*shm_name*/) {
+      return NewCudaKvStorage(bytes, device);
+    };
+  }
+#endif
+  (void)engine;
+  (void)device;
+  return [](int64_t bytes, const std::string& shm_name) {
+    HostStorageOptions host;
+    host.shm_name = shm_name;
+    return NewHostKvStorage(bytes, host);
+  };
+}
+
+// A SIGKILLed instance could not unlink its pools and created score regions; without
+// this they would hold node memory until reboot.
+void RemoveDeadInstancesSharedMemory() {
+  for (const std::string& name : RemoveStaleSharedMemory(IsDeadInstancesPool)) {
+    std::fprintf(stderr, "kvcached: removed %s, shared memory its dead kvcached left behind\n",
+                 name.c_str());
+  }
 }
 
 // The pool of each rank: host memory (shared, so that workers can map it, unless turned
@@ -262,19 +308,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
       }
     }
     if (options.backend == KvBackend::kHost && options.kv_shared_memory) {
-      // A SIGKILLed instance could not unlink its pools; without this they would hold
-      // node memory until reboot. The pools re-attached above are locked by now: the
-      // sweep skips objects a live process holds, this one included.
-      for (const std::string& name : RemoveStaleSharedMemory(IsDeadInstancesPool)) {
-        std::fprintf(stderr, "kvcached: removed %s, a KV pool its dead kvcached left behind\n",
-                     name.c_str());
-      }
+      // The pools re-attached above are locked by now: the sweep skips objects a live
+      // process holds, this one included.
+      RemoveDeadInstancesSharedMemory();
     }
     if (d->pools_ == nullptr) {
       ASSIGN_OR_RETURN(d->pools_, KvPools::Create(options.tp_ranks, options.kv_layout,
                                                   options.pool_memory_bytes,
                                                   PoolFactory(options)));
     }
+  }
+  if (options.allow_shm_scores &&
+      !(options.pool_memory_bytes > 0 && options.backend == KvBackend::kHost &&
+        options.kv_shared_memory)) {
+    RemoveDeadInstancesSharedMemory();  // created score regions only
   }
   d->pool_gauges_ = std::make_shared<PoolGauges>(d->pools_.get(),
                                                   std::string(KvBackendName(options.backend)));
@@ -329,6 +376,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   if (options.allow_shm_scores) {
     ScoreRegionsOptions regions;
     regions.max_regions = options.max_score_regions;
+    const kernels::KernelBackend* engine = table_options.engine_backend;
+    const bool device_engine = engine != nullptr && engine->memory != kernels::MemorySpace::kHost;
+    d->created_region_budget_ = std::make_unique<ByteBudget>(
+        options.max_created_score_region_bytes, "--max_created_score_region_bytes",
+        // Host regions are the daemon's memory like any other; device ones are not.
+        IsCudaEngine(engine) ? nullptr : d->table_->memory_budget(),
+        "the daemon's created score regions");
+    regions.created_budget = d->created_region_budget_.get();
+    regions.created_in_backend = device_engine;
+    regions.created_name_prefix = absl::StrCat("/kvcached-", getpid(), "-scores");
+    regions.allocate = ScoreRegionAllocatorFor(engine, options.engine_device);
     d->regions_ = std::make_unique<ScoreRegions>(regions);
   }
   d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());

@@ -87,6 +87,9 @@ class Daemon {
   std::shared_ptr<KvEventGauges> kv_event_gauges_;
   std::unique_ptr<SequenceTable> table_;
   std::unique_ptr<StepExecutor> executor_;
+  // The bytes of created score regions (a child of the table's memory budget for host
+  // ones); before regions_, which gives its bytes back.
+  std::unique_ptr<ByteBudget> created_region_budget_;
   std::unique_ptr<ScoreRegions> regions_;  // with --allow_shm_scores
   std::shared_ptr<TableGauges> table_gauges_;
   std::shared_ptr<LimitGauges> limit_gauges_;

@@ -4,6 +4,7 @@
 #include "absl/time/clock.h"
 #include "server/kv_events_reactor.h"
 #include "server/step_stream_reactor.h"
+#include "cache_manager/status_macros.h"
 #include "server/translate.h"
 
 namespace kvcm::server {
@@ -273,6 +274,12 @@ grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* cont
   return reactor;
 }
 
+absl::Status KvCacheService::RegionsAllowed() const {
+  if (regions_ != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "kvcached runs without --allow_shm_scores: score regions are off; send scores inline");
+}
+
 grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServerContext* context,
                                                               const grpc::ByteBuffer* raw_request,
                                                               grpc::ByteBuffer* raw_response) {
@@ -281,15 +288,27 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServ
       raw_response,
       [this](const v1::RegisterScoreRegionRequest& request, const std::string& tenant,
              v1::RegisterScoreRegionResponse* response) {
-        if (regions_ == nullptr) {
-          return absl::FailedPreconditionError(
-              "kvcached runs without --allow_shm_scores: score regions are off; send scores "
-              "inline");
-        }
+        RETURN_IF_ERROR(RegionsAllowed());
         absl::StatusOr<uint64_t> region =
             regions_->Register(tenant, request.name(), request.byte_size());
         if (!region.ok()) return region.status();
         response->set_region(*region);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::CreateScoreRegion(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* raw_request,
+                                                            grpc::ByteBuffer* raw_response) {
+  return RawUnary<v1::CreateScoreRegionRequest, v1::CreateScoreRegionResponse>(
+      Rpc::kCreateScoreRegion, context, metrics_, Authenticate(context), *raw_request,
+      raw_response,
+      [this](const v1::CreateScoreRegionRequest& request, const std::string& tenant,
+             v1::CreateScoreRegionResponse* response) {
+        RETURN_IF_ERROR(RegionsAllowed());
+        absl::StatusOr<CreatedScoreRegion> region = regions_->Create(tenant, request.byte_size());
+        if (!region.ok()) return region.status();
+        ToProto(*region, response);
         return absl::OkStatus();
       });
 }
@@ -302,10 +321,7 @@ grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
       raw_response,
       [this](const v1::UnregisterScoreRegionRequest& request, const std::string& tenant,
              v1::UnregisterScoreRegionResponse* /*response*/) {
-        if (regions_ == nullptr) {
-          return absl::FailedPreconditionError(
-              "kvcached runs without --allow_shm_scores: score regions are off");
-        }
+        RETURN_IF_ERROR(RegionsAllowed());
         return regions_->Unregister(tenant, request.region());
       });
 }

@@ -49,9 +49,10 @@ using KvCacheServiceBase = KvCache::WithRawCallbackMethod_OpenSequence<
             KvCache::WithRawCallbackMethod_StepStream<
                 KvCache::WithRawCallbackMethod_DescribeKvPools<
                     KvCache::WithRawCallbackMethod_RegisterScoreRegion<
-                        KvCache::WithRawCallbackMethod_UnregisterScoreRegion<
-                            KvCache::WithRawCallbackMethod_WatchKvEvents<
-                                KvCache::Service>>>>>>>>>>;
+                        KvCache::WithRawCallbackMethod_CreateScoreRegion<
+                            KvCache::WithRawCallbackMethod_UnregisterScoreRegion<
+                                KvCache::WithRawCallbackMethod_WatchKvEvents<
+                                    KvCache::Service>>>>>>>>>>>;
 }  // namespace internal
 
 // Parses `raw` into `out`; INVALID_ARGUMENT naming the message type when it does not
@@ -104,6 +105,10 @@ class KvCacheService final : public internal::KvCacheServiceBase {
   grpc::ServerUnaryReactor* RegisterScoreRegion(grpc::CallbackServerContext* context,
                                                 const grpc::ByteBuffer* request,
                                                 grpc::ByteBuffer* response) override;
+  // Raw: CreateScoreRegionRequest in, CreateScoreRegionResponse out.
+  grpc::ServerUnaryReactor* CreateScoreRegion(grpc::CallbackServerContext* context,
+                                              const grpc::ByteBuffer* request,
+                                              grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnregisterScoreRegion(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) override;
@@ -117,6 +122,9 @@ class KvCacheService final : public internal::KvCacheServiceBase {
 
   // Called by a stream reactor when it is done.
   void StreamDone();
+
+  // OK when score regions are on (--allow_shm_scores), else FAILED_PRECONDITION saying so.
+  absl::Status RegionsAllowed() const;
 
  private:
   // The caller's tenant: "" without tokens; UNAUTHENTICATED without a known token.

@@ -64,8 +64,13 @@ ABSL_FLAG(int64_t, max_pending_join_bytes, int64_t{1} << 30,
           "partial sums held for tensor-parallel steps waiting for ranks, all sequences "
           "together; a report past it is refused (RESOURCE_EXHAUSTED)");
 ABSL_FLAG(bool, allow_shm_scores, false,
-          "accept shared-memory score regions (RegisterScoreRegion) from workers on this node");
+          "score regions for workers on this node: accept shared-memory ones "
+          "(RegisterScoreRegion) and create them (CreateScoreRegion; device memory with "
+          "--engine_backend=cuda)");
 ABSL_FLAG(int64_t, max_score_regions, 256, "most score regions mapped at once");
+ABSL_FLAG(int64_t, max_created_score_region_bytes, int64_t{1} << 30,
+          "bytes of the score regions kvcached creates, all together (host ones also count "
+          "against --memory_limit_bytes)");
 ABSL_FLAG(int64_t, kv_events_ring, 65536,
           "KV events (WatchKvEvents) kept for subscribers that resume; also how far behind a "
           "subscriber may fall before it is dropped (0: no KV events)");
@@ -257,6 +262,7 @@ int main(int argc, char** argv) {
   options.max_pending_join_bytes = absl::GetFlag(FLAGS_max_pending_join_bytes);
   options.allow_shm_scores = absl::GetFlag(FLAGS_allow_shm_scores);
   options.max_score_regions = absl::GetFlag(FLAGS_max_score_regions);
+  options.max_created_score_region_bytes = absl::GetFlag(FLAGS_max_created_score_region_bytes);
   options.kv_events_ring = absl::GetFlag(FLAGS_kv_events_ring);
   options.kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
   if (options.kv_events_ring < 0 || options.kv_events_ring > (int64_t{1} << 24) ||
@@ -314,10 +320,12 @@ int main(int argc, char** argv) {
   }
   if (options.engine_threads < 0 || options.engine_threads > 1024 ||
       options.max_inflight_batches < 1 || options.max_inflight_batches > 1024 ||
-      options.max_pending_join_bytes < 0 || options.max_score_regions < 1) {
+      options.max_pending_join_bytes < 0 || options.max_score_regions < 1 ||
+      options.max_created_score_region_bytes < 0) {
     std::fprintf(stderr,
                  "kvcached: --engine_threads must be 0 to 1024, --max_inflight_batches 1 to "
-                 "1024, --max_pending_join_bytes >= 0, --max_score_regions >= 1\n");
+                 "1024, --max_pending_join_bytes >= 0, --max_score_regions >= 1, "
+                 "--max_created_score_region_bytes >= 0\n");
     return 2;
   }
   options.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);

@@ -13,7 +13,7 @@ namespace {
 constexpr absl::string_view kRpcNames[kRpcCount] = {
     "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences",
     "Step",         "StepStream",    "DescribeKvPools", "RegisterScoreRegion",
-    "UnregisterScoreRegion", "WatchKvEvents"};
+    "UnregisterScoreRegion", "WatchKvEvents", "CreateScoreRegion"};
 
 constexpr absl::string_view kCodeNames[17] = {
     "OK",       "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",

@@ -42,8 +42,9 @@ enum class Rpc : uint8_t {
   kRegisterScoreRegion,
   kUnregisterScoreRegion,
   kWatchKvEvents,
+  kCreateScoreRegion,
 };
-inline constexpr int kRpcCount = 10;
+inline constexpr int kRpcCount = 11;
 absl::string_view RpcName(Rpc rpc);
 
 // "INVALID_ARGUMENT", ... for the `code` label.

@@ -11,22 +11,39 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "cache_manager/status_macros.h"
 
 namespace kvcm::server {
 
 struct ScoreRegions::Mapping {
+  // A registered region: the worker's object, mapped here.
   Mapping(std::string tenant_in, std::string name_in, int fd_in, void* base_in, size_t size_in)
       : tenant(std::move(tenant_in)), name(std::move(name_in)), fd(fd_in), base(base_in),
         size(size_in) {}
+  // A created region: `storage` is ours; `fd_in` (host storage only, else -1) a read-only
+  // descriptor of its object for the size check; `budget_in` had its bytes taken.
+  Mapping(std::string tenant_in, std::unique_ptr<KvStorage> storage_in, int fd_in,
+          bool in_backend_in, ByteBudget* budget_in)
+      : tenant(std::move(tenant_in)), name(storage_in->memory_export().shm_name), fd(fd_in),
+        base(storage_in->data()), size(static_cast<size_t>(storage_in->bytes())),
+        in_backend(in_backend_in), storage(std::move(storage_in)), budget(budget_in) {}
   ~Mapping() {
-    munmap(base, size);
-    close(fd);
+    if (storage == nullptr) {
+      munmap(base, size);
+    } else {
+      storage.reset();  // unlinks the object, or frees the device memory
+      if (budget != nullptr) budget->Release(static_cast<int64_t>(size));
+    }
+    if (fd >= 0) close(fd);
   }
   const std::string tenant;
   const std::string name;
   const int fd;
   void* const base;
   const size_t size;
+  const bool in_backend = false;
+  std::unique_ptr<KvStorage> storage;  // created regions
+  ByteBudget* const budget = nullptr;
   mutable std::atomic<int64_t> last_used_ns{0};
 };
 
@@ -56,14 +73,7 @@ absl::StatusOr<uint64_t> ScoreRegions::Register(absl::string_view tenant, const 
                                                    byte_size, "; it must be 1 to ",
                                                    options_.max_region_bytes));
   }
-  {
-    ReaderMutexLock lock(&mu_);
-    if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "score region ", name, ": kvcached already maps the maximum of ",
-          options_.max_regions, " score regions; unregister some first"));
-    }
-  }
+  if (absl::Status room = CheckRoom(absl::StrCat("score region ", name)); !room.ok()) return room;
   const int fd = shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
   if (fd < 0) {
     return absl::InvalidArgumentError(
@@ -91,11 +101,24 @@ absl::StatusOr<uint64_t> ScoreRegions::Register(absl::string_view tenant, const 
                                            static_cast<size_t>(byte_size));
   mapping->last_used_ns.store(NowNanos(), std::memory_order_relaxed);
 
+  return Insert(std::move(mapping), absl::StrCat("score region ", name));
+}
+
+absl::Status ScoreRegions::CheckRoom(absl::string_view what) const {
+  ReaderMutexLock lock(&mu_);
+  if (static_cast<int64_t>(regions_.size()) < options_.max_regions) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, ": kvcached already holds the maximum of ", options_.max_regions,
+      " score regions (--max_score_regions); unregister some first"));
+}
+
+absl::StatusOr<uint64_t> ScoreRegions::Insert(std::shared_ptr<Mapping> mapping,
+                                              absl::string_view what) {
   MutexLock lock(&mu_);
   if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "score region ", name, ": kvcached already maps the maximum of ", options_.max_regions,
-        " score regions; unregister some first"));
+        what, ": kvcached already holds the maximum of ", options_.max_regions,
+        " score regions (--max_score_regions); unregister some first"));
   }
   if (next_id_ == 0) {
     // Ids start at a random point so that one tenant's ids say nothing of another's.
@@ -105,6 +128,57 @@ absl::StatusOr<uint64_t> ScoreRegions::Register(absl::string_view tenant, const 
   if (next_id_ == 0) next_id_ = 1;
   regions_.emplace(id, std::move(mapping));
   return id;
+}
+
+absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant,
+                                                        uint64_t byte_size) {
+  if (!options_.allocate) {
+    return absl::FailedPreconditionError(
+        "this kvcached creates no score regions (it runs without --allow_shm_scores)");
+  }
+  if (byte_size == 0 || byte_size > static_cast<uint64_t>(options_.max_region_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("CreateScoreRegion: byte_size is ", byte_size,
+                                                   "; it must be 1 to ",
+                                                   options_.max_region_bytes));
+  }
+  const int64_t bytes = static_cast<int64_t>(byte_size);
+  RETURN_IF_ERROR(CheckRoom(absl::StrCat("CreateScoreRegion of ", bytes, " bytes")));
+  ByteBudget* const budget = options_.created_budget;
+  const ByteBudget* refused_by = nullptr;
+  if (budget != nullptr && !budget->TryTake(bytes, &refused_by)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("CreateScoreRegion: ", refused_by->Refusal(bytes)));
+  }
+  const std::string shm_name = absl::StrCat(
+      options_.created_name_prefix, created_names_.fetch_add(1, std::memory_order_relaxed));
+  absl::StatusOr<std::unique_ptr<KvStorage>> storage = options_.allocate(bytes, shm_name);
+  if (!storage.ok()) {
+    if (budget != nullptr) budget->Give(bytes);
+    return absl::Status(storage.status().code(),
+                        absl::StrCat("CreateScoreRegion of ", bytes,
+                                     " bytes: ", storage.status().message()));
+  }
+  // Host memory: a descriptor of our own object, to see a worker shrink it (a read past
+  // the end of a shrunk object is a SIGBUS).
+  int fd = -1;
+  if ((*storage)->memory_export().kind == MemoryExport::Kind::kPosixShm) {
+    fd = shm_open(shm_name.c_str(), O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) {
+      const int err = errno;
+      if (budget != nullptr) budget->Give(bytes);
+      return absl::InternalError(absl::StrCat("CreateScoreRegion: cannot reopen ", shm_name,
+                                              ": ", std::strerror(err)));
+    }
+  }
+  CreatedScoreRegion created;
+  created.memory = (*storage)->memory_export();
+  // Built before the Mapping takes the storage: from then on the mapping gives the bytes
+  // back to the budget when it goes.
+  auto mapping = std::make_shared<Mapping>(std::string(tenant), *std::move(storage), fd,
+                                           options_.created_in_backend, budget);
+  mapping->last_used_ns.store(NowNanos(), std::memory_order_relaxed);
+  ASSIGN_OR_RETURN(created.region, Insert(std::move(mapping), "CreateScoreRegion"));
+  return created;
 }
 
 absl::Status ScoreRegions::Unregister(absl::string_view tenant, uint64_t region) {
@@ -133,7 +207,7 @@ absl::StatusOr<ScoreRegions::View> ScoreRegions::Resolve(absl::string_view tenan
   };
   if (mapping == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat(describe(), ": no such region is registered (RegisterScoreRegion)"));
+        absl::StrCat(describe(), ": no such region is registered (RegisterScoreRegion) or created (CreateScoreRegion)"));
   }
   if (range.byte_size == 0 || range.offset > mapping->size ||
       range.byte_size > mapping->size - range.offset) {
@@ -142,7 +216,8 @@ absl::StatusOr<ScoreRegions::View> ScoreRegions::Resolve(absl::string_view tenan
         " mapped bytes"));
   }
   struct stat st {};
-  if (fstat(mapping->fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < mapping->size) {
+  if (mapping->fd >= 0 &&
+      (fstat(mapping->fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < mapping->size)) {
     return absl::InvalidArgumentError(absl::StrCat(
         describe(), ": the shared-memory object shrank to ", st.st_size,
         " bytes, below the ", mapping->size, " registered; register it again"));
@@ -151,6 +226,7 @@ absl::StatusOr<ScoreRegions::View> ScoreRegions::Resolve(absl::string_view tenan
   View view;
   view.data = static_cast<const std::byte*>(mapping->base) + range.offset;
   view.size = static_cast<size_t>(range.byte_size);
+  view.in_backend = mapping->in_backend;
   view.pin = std::move(mapping);
   return view;
 }
@@ -173,6 +249,15 @@ int64_t ScoreRegions::DropIdle(absl::Duration idle, absl::Time now) {
 int64_t ScoreRegions::count() const {
   ReaderMutexLock lock(&mu_);
   return static_cast<int64_t>(regions_.size());
+}
+
+int64_t ScoreRegions::created_bytes() const {
+  ReaderMutexLock lock(&mu_);
+  int64_t bytes = 0;
+  for (const auto& [id, mapping] : regions_) {
+    if (mapping->storage != nullptr) bytes += static_cast<int64_t>(mapping->size);
+  }
+  return bytes;
 }
 
 int64_t ScoreRegions::mapped_bytes() const {

@@ -55,9 +55,12 @@ struct ServerOptions {
   int32_t max_inflight_batches = 8;
   // Partial sums held by tensor-parallel steps waiting for their other ranks, in total.
   int64_t max_pending_join_bytes = int64_t{1} << 30;
-  // Shared-memory score regions (RegisterScoreRegion); off unless allowed.
+  // Score regions (RegisterScoreRegion, CreateScoreRegion); off unless allowed.
   bool allow_shm_scores = false;
   int64_t max_score_regions = 256;
+  // The bytes of the regions kvcached creates, all together (host regions also count
+  // against memory_limit_bytes).
+  int64_t max_created_score_region_bytes = int64_t{1} << 30;
 
   // KV events (WatchKvEvents, docs/EVENTS.md): the events kept for subscribers that
   // resume, which is also how far behind a subscriber may fall before it is dropped (0: no

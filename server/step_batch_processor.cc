@@ -187,6 +187,9 @@ void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
         kernels::ScoreDtypeName(*dtype), ")")));
     return;
   }
+  // A created region of a device engine holds device memory: only its address is used
+  // here (never its bytes). Its base is 256-byte aligned and the offset a multiple of the
+  // dtype's size, so ScoresOf never copies it for alignment.
   absl::StatusOr<kernels::ScoreMatrix> scores =
       ScoresOf(report, bytes, *dtype, &aligned_[static_cast<size_t>(shard)]);
   if (!scores.ok()) {
@@ -199,6 +202,9 @@ void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
   rank_report.step = report.step();
   rank_report.partial_sums = *scores;
   rank_report.head_count = report.head_count();
+  rank_report.in_backend = region.in_backend;
+  // A tensor-parallel step keeps the region's rows referenced until its last rank reports.
+  if (region.in_backend) rank_report.pin = region.pin;
   absl::Status status = table_->SubmitRankReport(id, rank_report, DecisionWaiter{&b, index},
                                                  b.tenant_);
   if (!status.ok()) b.Fail(index, status);

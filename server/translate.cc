@@ -308,6 +308,22 @@ void ToProto(const EvictionDecision& decision, v1::Decision* out) {
   }
 }
 
+namespace {
+
+// How a worker maps daemon memory (a KV pool, a created score region): the fields the
+// two messages share, by name.
+template <typename Message>
+void SetMemoryExport(const MemoryExport& memory, Message* out) {
+  out->set_bytes(memory.bytes);
+  out->set_shm_name(memory.shm_name);
+  out->set_cuda_ipc_handle(memory.cuda_ipc_handle);
+  out->set_device(memory.device);
+  out->set_device_uuid(memory.device_uuid);
+  out->set_device_pci_bus_id(memory.device_pci_bus_id);
+}
+
+}  // namespace
+
 void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
   const kernels::KvBlockLayout& layout = pool.layout();
   const BlockPoolUsage usage = pool.Usage();
@@ -324,12 +340,14 @@ void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
   out->set_block_bytes(layout.BlockBytes());
   out->set_capacity_blocks(usage.capacity_blocks);
   out->set_used_blocks(usage.used_blocks);
-  out->set_bytes(memory.bytes);
-  out->set_shm_name(memory.shm_name);
-  out->set_cuda_ipc_handle(memory.cuda_ipc_handle);
-  out->set_device(memory.device);
-  out->set_device_uuid(memory.device_uuid);
-  out->set_device_pci_bus_id(memory.device_pci_bus_id);
+  SetMemoryExport(memory, out);
+}
+
+void ToProto(const CreatedScoreRegion& region, v1::CreateScoreRegionResponse* out) {
+  out->set_region(region.region);
+  out->set_backend(region.memory.kind == MemoryExport::Kind::kCudaIpc ? v1::KV_BACKEND_CUDA
+                                                                      : v1::KV_BACKEND_HOST);
+  SetMemoryExport(region.memory, out);
 }
 
 absl::StatusOr<kernels::ScoreMatrix> ScoresOf(const v1::StepReport& report,

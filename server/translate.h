@@ -16,6 +16,7 @@
 #include "grpcpp/support/status.h"
 #include "kernels/score_matrix.h"
 #include "kvcache/v1/kvcache.pb.h"
+#include "server/score_regions.h"
 #include "server/server_options.h"
 
 namespace kvcm::server {
@@ -47,6 +48,8 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out);
 void ToProto(const EvictionDecision& decision, v1::Decision* out);
 // One pool's description for DescribeKvPools.
 void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out);
+// How the worker maps a region CreateScoreRegion made.
+void ToProto(const CreatedScoreRegion& region, v1::CreateScoreRegionResponse* out);
 
 // Views a report's packed scores, `bytes` (its inline bytes or the range of a score
 // region it names), as a [layers, tokens] matrix of `dtype` without copying when the

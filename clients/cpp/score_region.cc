@@ -38,7 +38,7 @@ absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::Create(KvCacheClient& 
                                                      byte_size, " bytes: ", std::strerror(saved)));
   }
   std::unique_ptr<ScoreRegion> region(
-      new ScoreRegion(client, name, base, static_cast<size_t>(byte_size)));
+      new ScoreRegion(client, name, base, static_cast<size_t>(byte_size), /*ours=*/true));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::RegisterScoreRegionRequest request;
@@ -47,6 +47,52 @@ absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::Create(KvCacheClient& 
   v1::RegisterScoreRegionResponse response;
   absl::Status registered = FromGrpc(client.stub().RegisterScoreRegion(&context, request, &response));
   if (!registered.ok()) return registered;  // the destructor unmaps and unlinks
+  region->id_ = response.region();
+  return region;
+}
+
+absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::CreateInDaemon(KvCacheClient& client,
+                                                                         int64_t byte_size) {
+  if (byte_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("score region size ", byte_size, " <= 0"));
+  }
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::CreateScoreRegionRequest request;
+  request.set_byte_size(static_cast<uint64_t>(byte_size));
+  v1::CreateScoreRegionResponse response;
+  absl::Status created = FromGrpc(client.stub().CreateScoreRegion(&context, request, &response));
+  if (!created.ok()) return created;
+  const auto unregister = [&] {
+    grpc::ClientContext unregister_context;
+    unregister_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::UnregisterScoreRegionRequest drop;
+    drop.set_region(response.region());
+    v1::UnregisterScoreRegionResponse dropped;
+    (void)client.stub().UnregisterScoreRegion(&unregister_context, drop, &dropped);
+  };
+  if (response.backend() != v1::KV_BACKEND_HOST || response.shm_name().empty()) {
+    unregister();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the daemon created score region ", response.region(),
+        " in device memory (CUDA IPC handle, device ", response.device_uuid(),
+        "); map it with cudaIpcOpenMemHandle, not as shared memory"));
+  }
+  const int fd = shm_open(response.shm_name().c_str(), O_RDWR | O_CLOEXEC, 0);
+  void* base = MAP_FAILED;
+  if (fd >= 0) {
+    base = mmap(nullptr, static_cast<size_t>(response.bytes()), PROT_READ | PROT_WRITE,
+                MAP_SHARED, fd, 0);
+  }
+  const int saved = errno;
+  if (fd >= 0) close(fd);
+  if (base == MAP_FAILED) {
+    unregister();
+    return absl::UnavailableError(absl::StrCat("score region ", response.shm_name(),
+                                               ": cannot map it: ", std::strerror(saved)));
+  }
+  std::unique_ptr<ScoreRegion> region(new ScoreRegion(
+      client, response.shm_name(), base, static_cast<size_t>(response.bytes()), /*ours=*/false));
   region->id_ = response.region();
   return region;
 }
@@ -61,7 +107,7 @@ ScoreRegion::~ScoreRegion() {
     (void)client_.stub().UnregisterScoreRegion(&context, request, &response);  // best effort
   }
   munmap(base_, size_);
-  shm_unlink(name_.c_str());
+  if (ours_) shm_unlink(name_.c_str());
 }
 
 void ScoreRegion::Reference(v1::StepReport* report, int64_t offset, int64_t byte_size,

@@ -32,6 +32,13 @@ class ScoreRegion {
   // FAILED_PRECONDITION when the daemon does not allow score regions.
   static absl::StatusOr<std::unique_ptr<ScoreRegion>> Create(KvCacheClient& client,
                                                              int64_t byte_size);
+  // Asks the daemon to create a region of `byte_size` bytes (CreateScoreRegion) and maps
+  // it read-write. The daemon owns the object: the destructor unregisters and unmaps it,
+  // and the daemon frees it. FAILED_PRECONDITION when the daemon does not allow score
+  // regions, or when it made the region in device memory (a CUDA engine), which a worker
+  // maps with cudaIpcOpenMemHandle (CreateScoreRegionResponse), not with this class.
+  static absl::StatusOr<std::unique_ptr<ScoreRegion>> CreateInDaemon(KvCacheClient& client,
+                                                                     int64_t byte_size);
   ~ScoreRegion();
 
   ScoreRegion(const ScoreRegion&) = delete;
@@ -53,13 +60,14 @@ class ScoreRegion {
                    int32_t layers, kernels::ScoreDtype dtype, int32_t head_count = 0);
 
  private:
-  ScoreRegion(KvCacheClient& client, std::string name, void* base, size_t size)
-      : client_(client), name_(std::move(name)), base_(base), size_(size) {}
+  ScoreRegion(KvCacheClient& client, std::string name, void* base, size_t size, bool ours)
+      : client_(client), name_(std::move(name)), base_(base), size_(size), ours_(ours) {}
 
   KvCacheClient& client_;
   const std::string name_;
   void* const base_;
   const size_t size_;
+  const bool ours_;  // we made the object (Create) and unlink it; else the daemon's
   uint64_t id_ = 0;
 };
 

@@ -187,7 +187,9 @@ class GrpcBackend : public ReplayBackend {
       const int64_t size =
           std::max(need, region == nullptr ? kMinRegionBytes : 2 * region->size());
       region.reset();
-      ASSIGN_OR_RETURN(region, client::ScoreRegion::Create(*client_, size));
+      ASSIGN_OR_RETURN(region, transport_ == ScoreTransport::kCreated
+                                   ? client::ScoreRegion::CreateInDaemon(*client_, size)
+                                   : client::ScoreRegion::Create(*client_, size));
     }
     return region->Put(report, /*offset=*/0, packed, layers, kernels::ScoreDtype::kFloat32,
                        head_count);

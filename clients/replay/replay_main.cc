@@ -49,9 +49,10 @@ ABSL_FLAG(std::string, server, "",
           "replay through the kvcached at this address instead of the embedded engine "
           "(with --tp N: N concurrent rank streams)");
 ABSL_FLAG(std::string, transport, "grpc",
-          "with --server, how the scores travel: grpc (inline in each report) or shm (in a "
+          "with --server, how the scores travel: grpc (inline in each report), shm (in a "
           "shared-memory score region per rank stream that the reports reference; kvcached "
-          "must run on this node with --allow_shm_scores)");
+          "must run on this node with --allow_shm_scores) or created (the same in a region "
+          "kvcached creates, CreateScoreRegion; not with --engine_backend=cuda)");
 ABSL_FLAG(std::string, device, "cpu",
           "where the embedded engine keeps and steps the sequence: cpu, cuda (momentum and "
           "positions on GPU --gpu, every step's kernels there; builds with CUDA only), or "

@@ -16,15 +16,24 @@ enum class ScoreTransport : uint8_t {
   // Written into a shared-memory score region (one per rank stream) that the report
   // references; the daemon must run with --allow_shm_scores on this node.
   kShm,
+  // Written into a score region the daemon created (CreateScoreRegion, one per rank
+  // stream; host memory: the daemon's engine must not be CUDA); also --allow_shm_scores.
+  kCreated,
 };
 
-// "grpc" / "shm", and back (nullopt for any other name).
+// "grpc" / "shm" / "created", and back (nullopt for any other name).
 inline absl::string_view ScoreTransportName(ScoreTransport transport) {
-  return transport == ScoreTransport::kShm ? "shm" : "grpc";
+  switch (transport) {
+    case ScoreTransport::kShm: return "shm";
+    case ScoreTransport::kCreated: return "created";
+    case ScoreTransport::kGrpc: break;
+  }
+  return "grpc";
 }
 inline std::optional<ScoreTransport> ParseScoreTransport(absl::string_view name) {
   if (name == "grpc") return ScoreTransport::kGrpc;
   if (name == "shm") return ScoreTransport::kShm;
+  if (name == "created") return ScoreTransport::kCreated;
   return std::nullopt;
 }
 

@@ -41,12 +41,15 @@ class Transport(NamedTuple):
             assert region.region_reports > 0
 
 
-@pytest.fixture(params=["inline", "shm"])
+@pytest.fixture(params=["inline", "shm", "created"])
 def transport(request):
+    """inline scores; a region this process made (shm); one the daemon made (created)."""
     if request.param == "inline":
         return Transport("inline", request.getfixturevalue("client"), {})
-    return Transport("shm", request.getfixturevalue("shm_client"),
-                     {"score_region_bytes": REGION_BYTES})
+    options = {"score_region_bytes": REGION_BYTES}
+    if request.param == "created":
+        options["daemon_score_region"] = True
+    return Transport(request.param, request.getfixturevalue("shm_client"), options)
 
 
 def open_all(batch, seq_id, traces: List[Trace], **options) -> Dict[str, Trace]:
@@ -74,7 +77,7 @@ def test_golden_float32(transport, seq_id, name):
             stats = batch.close_sequence(sid)
             assert stats.steps == len(by_id[sid].steps)
         scored = sum("layers" in step for step in load(name).steps)
-        if transport.name == "shm":
+        if transport.name != "inline":
             assert (batch.score_region.region_reports, batch.score_region.inline_reports) == (
                 scored, 0)
 

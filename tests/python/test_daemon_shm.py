@@ -115,3 +115,46 @@ def test_closing_a_batch_unregisters_and_unlinks_its_region(shm_client, seq_id):
     with pytest.raises(KvCacheError) as caught:
         shm_client.unregister_score_region(region.region_id)
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_daemon_created_region_is_the_daemons_and_goes_when_the_batch_closes(
+        shm_client, seq_id):
+    """CreateScoreRegion on a CPU daemon: its own shared memory, named for its pid, mode
+    0600; this process maps it (without the resource tracker, which would unlink it at
+    exit), the steps through it match the golden, and closing the batch has the daemon
+    free it."""
+    created = shm_client.create_score_region(4096)
+    assert (created.backend, created.bytes, created.cuda_ipc_handle) == ("host", 4096, b"")
+    assert created.shm_name.startswith("/kvcached-")
+    path = SHM / created.shm_name.lstrip("/")
+    assert path.exists() and path.stat().st_mode & 0o777 == 0o600
+    shm_client.unregister_score_region(created.region)
+    assert not path.exists()
+
+    trace = load("ema_every_step")
+    sid = seq_id()
+    with shm_client.batch(score_region_bytes=1 << 16, daemon_score_region=True) as batch:
+        batch.open(sid, **trace.open_options())
+        region = batch.score_region
+        path = SHM / region.name.lstrip("/")
+        assert region.name.startswith("/kvcached-") and path.exists()
+        for index, step in enumerate(trace.steps):
+            decision = batch.step({sid: step.get("layers")})[sid].raise_for_status()
+            want = trace.expected[index]
+            assert (decision.evicted, decision.cache_size) == (want["evicted"],
+                                                               want["cache_size"])
+        assert region.region_reports > 0 and region.inline_reports == 0
+    assert not path.exists()
+
+
+def test_created_regions_have_a_byte_limit(start_daemon):
+    daemon = start_daemon("--allow_shm_scores", "--max_created_score_region_bytes=8192")
+    from kvcache_client import KvCacheClient
+    with KvCacheClient(daemon.address, timeout=30) as c:
+        first = c.create_score_region(8192)
+        with pytest.raises(KvCacheError) as caught:
+            c.create_score_region(1)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max_created_score_region_bytes" in caught.value.message
+        c.unregister_score_region(first.region)
+        c.unregister_score_region(c.create_score_region(8192).region)

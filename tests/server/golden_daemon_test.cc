@@ -74,17 +74,22 @@ class GoldenThroughDaemonTest : public ::testing::TestWithParam<std::string> {
     return testing::MetricValue(
         text.ok() ? *text : "",
         absl::StrCat(R"(kvcache_score_bytes_total{dtype="float32",transport=")",
-                     replay::ScoreTransportName(transport), R"("})"));
+                     MetricTransport(transport), R"("})"));
+  }
+  // The metric's transport label: a created region is a region like a registered one.
+  static absl::string_view MetricTransport(ScoreTransport transport) {
+    return transport == ScoreTransport::kGrpc ? "grpc" : "shm";
   }
 
   static testing::DaemonProcess* daemon_;
 };
 testing::DaemonProcess* GoldenThroughDaemonTest::daemon_ = nullptr;
 
-TEST_P(GoldenThroughDaemonTest, MatchesExactlyOverBothTransportsAloneAndAcrossRanks) {
+TEST_P(GoldenThroughDaemonTest, MatchesExactlyOverEveryTransportAloneAndAcrossRanks) {
   const std::string want = Want(GetParam());
-  double grpc_bytes = 0;  // what the grpc runs sent inline; the shm runs must send as much
-  for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm}) {
+  double grpc_bytes = 0;  // what the grpc runs sent inline; the region runs must send as much
+  for (ScoreTransport transport :
+       {ScoreTransport::kGrpc, ScoreTransport::kShm, ScoreTransport::kCreated}) {
     const double inline_before = ScoreBytes(ScoreTransport::kGrpc);
     const double shm_before = ScoreBytes(ScoreTransport::kShm);
     for (int32_t tp : {1, 2, 4}) {
@@ -119,7 +124,8 @@ TEST_P(GoldenThroughDaemonTest, FoldedDecidesLikeTheEmbeddedEngineFolded) {
     r.sequence_id = absl::StrCat(GetParam(), "-folded-embedded-tp", tp);
     absl::StatusOr<std::string> want = RunGolden(r, *embedded);
     ASSERT_TRUE(want.ok()) << want.status();
-    for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm}) {
+    for (ScoreTransport transport :
+         {ScoreTransport::kGrpc, ScoreTransport::kShm, ScoreTransport::kCreated}) {
       r.sequence_id = absl::StrCat(GetParam(), "-folded-tp", tp, "-",
                                    replay::ScoreTransportName(transport));
       absl::StatusOr<std::string> got =
@@ -163,7 +169,10 @@ TEST(GoldenDeviceEngineTest, TheDevicePathDecidesLikeTheCpuEngine) {
         r.sequence_id = absl::StrCat(golden, "-cpu-tp", tp, folded ? "-folded" : "");
         absl::StatusOr<std::string> want = RunGolden(r, *embedded);
         ASSERT_TRUE(want.ok()) << want.status();
-        for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm}) {
+        // kCreated: the daemon's regions are the emulated device's memory, which the
+        // engine reads in place (ScoreSpace::kBackend), as a CUDA engine its GPU regions.
+        for (ScoreTransport transport :
+             {ScoreTransport::kGrpc, ScoreTransport::kShm, ScoreTransport::kCreated}) {
           r.sequence_id = absl::StrCat(golden, "-device-tp", tp, folded ? "-folded-" : "-",
                                        replay::ScoreTransportName(transport));
           absl::StatusOr<std::string> got =

@@ -346,6 +346,191 @@ TEST_F(ScoreRegionTest, ATenantlessDaemonServesARegionToEveryConnection) {
   EXPECT_EQ(reply->decisions(0).code(), kOk) << reply->decisions(0).message();
 }
 
+// ---------------------------------------------------------------------------------------
+// Score regions the daemon creates (CreateScoreRegion)
+
+absl::StatusOr<v1::CreateScoreRegionResponse> CreateRegion(client::KvCacheClient& client,
+                                                           uint64_t byte_size) {
+  grpc::ClientContext context;
+  v1::CreateScoreRegionRequest request;
+  request.set_byte_size(byte_size);
+  v1::CreateScoreRegionResponse response;
+  RETURN_IF_ERROR(client::FromGrpc(client.stub().CreateScoreRegion(&context, request, &response)));
+  return response;
+}
+
+bool ShmExists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+// A CPU engine's created region is the daemon's own shared-memory object: named for its
+// pid, mode 0600, zero-filled, as large as asked; the worker maps it read-write, and a
+// step by reference to it decides as the same scores inline. Unregistering removes it.
+TEST_F(ScoreRegionTest, ACreatedRegionIsTheDaemonsSharedMemoryAndDecidesLikeInline) {
+  absl::StatusOr<v1::CreateScoreRegionResponse> raw = CreateRegion(*client_, 12345);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_NE(raw->region(), 0u);
+  EXPECT_EQ(raw->backend(), v1::KV_BACKEND_HOST);
+  EXPECT_EQ(raw->bytes(), 12345);
+  EXPECT_THAT(raw->shm_name(), ::testing::StartsWith(absl::StrCat("/kvcached-", daemon_->pid(),
+                                                                  "-scores")));
+  EXPECT_TRUE(raw->cuda_ipc_handle().empty());
+  {
+    const int fd = shm_open(raw->shm_name().c_str(), O_RDONLY, 0);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    struct stat st {};
+    ASSERT_EQ(fstat(fd, &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    EXPECT_GE(st.st_size, 12345);
+    close(fd);
+  }
+  ASSERT_TRUE(Unregister(raw->region()).ok());
+  EXPECT_FALSE(ShmExists(raw->shm_name())) << "the daemon frees what it created";
+  EXPECT_EQ(Unregister(raw->region()).code(), absl::StatusCode::kNotFound);
+
+  Open("inline", 64, "inertia");
+  Open("created", 64, "inertia");
+  absl::StatusOr<std::unique_ptr<client::ScoreRegion>> region =
+      client::ScoreRegion::CreateInDaemon(*client_, 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const std::string name = (*region)->name();
+  for (std::byte b : (*region)->bytes().subspan(0, 4096)) ASSERT_EQ(b, std::byte{0});
+  auto stream = client_->OpenStepStream();
+  ASSERT_TRUE(stream.ok());
+  int64_t cache = 64;
+  for (int64_t t = 1; t <= 6; ++t) {
+    const std::vector<float> s = Scores(3, cache + 1, static_cast<uint64_t>(t));
+    v1::StepBatch batch;
+    client::SetFloat32Scores(client::AddReport(&batch, "inline", t), s, 3);
+    ASSERT_TRUE((*region)->Put(client::AddReport(&batch, "created", t), 8192 * t, Bytes(s), 3,
+                               kernels::ScoreDtype::kFloat32).ok());
+    absl::StatusOr<v1::DecisionBatch> reply = (*stream)->Step(batch);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_EQ(reply->decisions(0).code(), kOk) << reply->decisions(0).message();
+    ASSERT_EQ(reply->decisions(1).code(), kOk) << reply->decisions(1).message();
+    EXPECT_EQ(std::vector<int64_t>(reply->decisions(0).evicted().begin(),
+                                   reply->decisions(0).evicted().end()),
+              std::vector<int64_t>(reply->decisions(1).evicted().begin(),
+                                   reply->decisions(1).evicted().end()))
+        << "step " << t;
+    cache = reply->decisions(0).cache_size();
+  }
+  const auto x = client_->Inspect("inline", true), y = client_->Inspect("created", true);
+  ASSERT_TRUE(x.ok() && y.ok());
+  EXPECT_EQ(std::vector<float>(x->momentum().begin(), x->momentum().end()),
+            std::vector<float>(y->momentum().begin(), y->momentum().end()));
+  region->reset();  // unregisters; the daemon unlinks
+  EXPECT_FALSE(ShmExists(name));
+}
+
+// What a daemon creates is bounded: by --max_created_score_region_bytes (all created
+// regions together) and --max_score_regions; a refusal says which limit, what is used and
+// what is left, and creates nothing. A size of 0 or past the per-region limit is refused.
+TEST_F(StepPathTest, CreatedRegionsStopAtTheirLimitsAndSayWhich) {
+  StartDaemon({"--allow_shm_scores", "--max_created_score_region_bytes=65536",
+               "--max_score_regions=3"});
+  absl::StatusOr<v1::CreateScoreRegionResponse> a = CreateRegion(*client_, 40000);
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<v1::CreateScoreRegionResponse> b = CreateRegion(*client_, 30000);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
+  EXPECT_THAT(b.status().message(), HasSubstr("--max_created_score_region_bytes"));
+  EXPECT_THAT(b.status().message(), HasSubstr("30000"));
+  EXPECT_THAT(b.status().message(), HasSubstr("25536"));  // left
+  EXPECT_EQ(CreateRegion(*client_, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateRegion(*client_, uint64_t{1} << 62).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The refusals took nothing: exactly what was left still fits.
+  absl::StatusOr<v1::CreateScoreRegionResponse> rest = CreateRegion(*client_, 25536);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(CreateRegion(*client_, 1).status().code(), absl::StatusCode::kResourceExhausted);
+
+  ASSERT_TRUE(Unregister(a->region()).ok());
+  ASSERT_TRUE(Unregister(rest->region()).ok());
+  std::vector<uint64_t> made;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<v1::CreateScoreRegionResponse> r = CreateRegion(*client_, 4096);
+    ASSERT_TRUE(r.ok()) << r.status();
+    made.push_back(r->region());
+  }
+  absl::StatusOr<v1::CreateScoreRegionResponse> fourth = CreateRegion(*client_, 4096);
+  EXPECT_EQ(fourth.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(fourth.status().message(), HasSubstr("--max_score_regions"));
+  for (uint64_t r : made) EXPECT_TRUE(Unregister(r).ok());
+  EXPECT_TRUE(CreateRegion(*client_, 65536).ok());
+}
+
+// A SIGKILLed kvcached cannot unlink what it created; the next one on the node removes
+// it at start, as it removes a dead instance's KV pools.
+TEST_F(StepPathTest, ASigkilledDaemonsCreatedRegionsAreRemovedByTheNextStart) {
+  StartDaemon({"--allow_shm_scores"});
+  absl::StatusOr<v1::CreateScoreRegionResponse> r = CreateRegion(*client_, 8192);
+  ASSERT_TRUE(r.ok()) << r.status();
+  client_.reset();
+  EXPECT_EQ(daemon_->SignalAndWait(SIGKILL, absl::Seconds(30)), -1);
+  ASSERT_TRUE(ShmExists(r->shm_name()));
+  StartDaemon({"--allow_shm_scores"});
+  EXPECT_FALSE(ShmExists(r->shm_name()));
+  EXPECT_THAT(daemon_->Log(), HasSubstr(absl::StrCat("removed ", r->shm_name())));
+}
+
+// On a device engine (the emulated device here) a tensor-parallel step's partial sums in
+// a created region are read in place when the last rank arrives, so the step holds the
+// region until then: a worker that unregisters it early (breaking the ownership rule)
+// cannot pull the memory from under the join. The step decides like the same scores
+// inline, and the region is freed once the step is done.
+TEST_F(StepPathTest, APendingTensorParallelStepHoldsItsCreatedRegionUntilItIsDecided) {
+  StartDaemon({"--engine_backend=emulated", "--allow_shm_scores"});
+  Open("by-ref", 30, "inertia", /*tp_world_size=*/2);
+  Open("inline", 30, "inertia", /*tp_world_size=*/2);
+  absl::StatusOr<std::unique_ptr<client::ScoreRegion>> region =
+      client::ScoreRegion::CreateInDaemon(*client_, 1 << 16);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const std::string name = (*region)->name();
+  const uint64_t id = (*region)->id();
+  const std::vector<float> r0 = Scores(2, 31, 1), r1 = Scores(2, 31, 2);
+
+  auto rank0 = client_->OpenStepStream();
+  ASSERT_TRUE(rank0.ok());
+  v1::StepBatch first;
+  ASSERT_TRUE((*region)->Put(client::AddReport(&first, "by-ref", 1), 0, Bytes(r0), 2,
+                             kernels::ScoreDtype::kFloat32, /*head_count=*/1).ok());
+  client::SetFloat32Scores(client::AddReport(&first, "inline", 1), r0, 2, /*head_count=*/1);
+  ASSERT_TRUE((*rank0)->Send(first).ok());
+  // Counted once the daemon resolved the reference (and so holds the region).
+  ASSERT_TRUE(WaitFor([&] {
+    return MetricValue(Metrics(), R"(kvcache_score_bytes_total{dtype="float32",transport="shm"})") ==
+           static_cast<double>(r0.size() * sizeof(float));
+  }));
+  ASSERT_TRUE(Unregister(id).ok());  // too early: rank 1 has not reported
+  EXPECT_TRUE(ShmExists(name)) << "the pending step still holds the region";
+
+  v1::StepBatch second;
+  second.set_rank(1);
+  client::SetFloat32Scores(client::AddReport(&second, "by-ref", 1), r1, 2, /*head_count=*/1);
+  client::SetFloat32Scores(client::AddReport(&second, "inline", 1), r1, 2, /*head_count=*/1);
+  const v1::DecisionBatch one = StepOnce(second);
+  absl::StatusOr<v1::DecisionBatch> zero = (*rank0)->Receive();
+  ASSERT_TRUE(zero.ok()) << zero.status();
+  for (const v1::DecisionBatch* reply : {&one, static_cast<const v1::DecisionBatch*>(&*zero)}) {
+    ASSERT_EQ(reply->decisions_size(), 2);
+    ASSERT_EQ(reply->decisions(0).code(), kOk) << reply->decisions(0).message();
+    ASSERT_EQ(reply->decisions(1).code(), kOk) << reply->decisions(1).message();
+    EXPECT_EQ(std::vector<int64_t>(reply->decisions(0).evicted().begin(),
+                                   reply->decisions(0).evicted().end()),
+              std::vector<int64_t>(reply->decisions(1).evicted().begin(),
+                                   reply->decisions(1).evicted().end()));
+  }
+  EXPECT_TRUE(WaitFor([&] { return !ShmExists(name); })) << "freed once the step was done";
+  region->reset();  // unmaps; its unregister finds nothing left, which it ignores
+  const auto x = client_->Inspect("inline", true), y = client_->Inspect("by-ref", true);
+  ASSERT_TRUE(x.ok() && y.ok());
+  EXPECT_EQ(std::vector<float>(x->momentum().begin(), x->momentum().end()),
+            std::vector<float>(y->momentum().begin(), y->momentum().end()));
+}
+
 TEST_F(StepPathTest, WithoutAllowShmScoresRegionsAndReferencesAreRefused) {
   StartDaemon({});
   ShmObject object(4096, 0600);
@@ -354,6 +539,9 @@ TEST_F(StepPathTest, WithoutAllowShmScoresRegionsAndReferencesAreRefused) {
   EXPECT_THAT(region.status().message(), HasSubstr("--allow_shm_scores"));
   EXPECT_EQ(client::ScoreRegion::Create(*client_, 4096).status().code(),
             absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<v1::CreateScoreRegionResponse> created = CreateRegion(*client_, 4096);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(created.status().message(), HasSubstr("--allow_shm_scores"));
 
   Open("by-ref", 20, "inertia");
   Open("inline", 20, "inertia");

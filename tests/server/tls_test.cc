@@ -248,6 +248,14 @@ TEST_F(TenantTest, CallsWithoutAKnownTokenAreUnauthenticatedAndHealthStaysOpen) 
     }
     {
       grpc::ClientContext context;
+      v1::CreateScoreRegionRequest request;
+      request.set_byte_size(4096);
+      v1::CreateScoreRegionResponse created;
+      EXPECT_EQ(c->stub().CreateScoreRegion(&context, request, &created).error_code(),
+                grpc::StatusCode::UNAUTHENTICATED);
+    }
+    {
+      grpc::ClientContext context;
       auto reader = c->stub().WatchKvEvents(&context, v1::WatchKvEventsRequest());
       v1::KvEvent event;
       EXPECT_FALSE(reader->Read(&event));
@@ -334,33 +342,38 @@ TEST_F(TenantTest, SequencesKeepTheirTenantAcrossARestart) {
   std::filesystem::remove_all(state_dir);
 }
 
+// For a region a registered, and for one the daemon created for a.
 TEST_F(TenantTest, AnotherTenantsScoreRegionIsNotRegisteredForIt) {
   WriteTokens(kTwoTenants);
   StartDaemon({"--allow_shm_scores"});
   std::unique_ptr<client::KvCacheClient> a = As("token-a");
   std::unique_ptr<client::KvCacheClient> b = As("token-b");
-  auto region = client::ScoreRegion::Create(*a, 4096);
-  ASSERT_TRUE(region.ok()) << region.status();
   ASSERT_TRUE(b->Open(client::OpenRequest("s", 4, 0.5, "tova")).ok());
-  // b names a's region in a report: refused as a region b never registered.
-  v1::StepBatch batch;
-  (*region)->Reference(client::AddReport(&batch, "s", 1), 0, 20, 1,
-                       kernels::ScoreDtype::kFloat32);
-  auto stepped = b->Step(batch);
-  ASSERT_TRUE(stepped.ok()) << stepped.status();
-  EXPECT_EQ(stepped->decisions(0).code(),
-            static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(stepped->decisions(0).message(),
-              HasSubstr(absl::StrCat("score region ", (*region)->id(),
-                                     " offset 0 byte_size 20: no such region is registered")));
-  grpc::ClientContext context;
-  v1::UnregisterScoreRegionRequest request;
-  request.set_region((*region)->id());
-  v1::UnregisterScoreRegionResponse response;
-  const grpc::Status unregistered = b->stub().UnregisterScoreRegion(&context, request, &response);
-  EXPECT_EQ(unregistered.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(unregistered.error_message(),
-            absl::StrCat("score region ", (*region)->id(), " is not registered"));
+  for (bool created : {false, true}) {
+    SCOPED_TRACE(created ? "created by the daemon" : "registered");
+    auto region = created ? client::ScoreRegion::CreateInDaemon(*a, 4096)
+                          : client::ScoreRegion::Create(*a, 4096);
+    ASSERT_TRUE(region.ok()) << region.status();
+    // b names a's region in a report: refused as a region b never registered.
+    v1::StepBatch batch;
+    (*region)->Reference(client::AddReport(&batch, "s", 1), 0, 20, 1,
+                         kernels::ScoreDtype::kFloat32);
+    auto stepped = b->Step(batch);
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+    EXPECT_EQ(stepped->decisions(0).code(),
+              static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(stepped->decisions(0).message(),
+                HasSubstr(absl::StrCat("score region ", (*region)->id(),
+                                       " offset 0 byte_size 20: no such region is registered")));
+    grpc::ClientContext context;
+    v1::UnregisterScoreRegionRequest request;
+    request.set_region((*region)->id());
+    v1::UnregisterScoreRegionResponse response;
+    const grpc::Status unregistered = b->stub().UnregisterScoreRegion(&context, request, &response);
+    EXPECT_EQ(unregistered.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(unregistered.error_message(),
+              absl::StrCat("score region ", (*region)->id(), " is not registered"));
+  }
 }
 
 // Reads events until (and including) the first whose sequence id is `until`.

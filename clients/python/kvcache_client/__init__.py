@@ -17,13 +17,13 @@ from .errors import KvCacheError, StepError
 from .fold import FoldWeights, fold_scores
 from .policy import PRESETS, Policy
 from .region import ScoreRegion
-from .results import Decision, KvChange, KvPool, SequenceState, SequenceStats
+from .results import CreatedScoreRegion, Decision, KvChange, KvPool, SequenceState, SequenceStats
 from .scores import (EncodedScores, PreparedScores, Scores, ScoreShapeError, decode_scores,
                      encode_scores, prepare_scores)
 from .stream import Report, StepStream
 
 __all__ = [
-    "Decision", "EncodedScores", "FoldWeights", "KvCacheClient", "KvCacheError", "KvChange",
+    "CreatedScoreRegion", "Decision", "EncodedScores", "FoldWeights", "KvCacheClient", "KvCacheError", "KvChange",
     "KvPool", "PRESETS", "Policy", "PreparedScores",
     "Report", "ScoreRegion", "Scores", "ScoreShapeError", "SequenceBatch", "SequenceState",
     "SequenceStats", "StepError", "StepStream", "TlsConfig", "TrackedSequence", "decode_scores",

@@ -115,17 +115,20 @@ class SequenceBatch:
 
     def __init__(self, client: "KvCacheClient", *, rank: int = 0,
                  head_count: Optional[int] = None, timeout: Optional[float] = None,
-                 score_region_bytes: Optional[int] = None) -> None:
+                 score_region_bytes: Optional[int] = None,
+                 daemon_score_region: bool = False) -> None:
         """``head_count``: query heads this rank sums into each row (default for its
         sequences; required for tensor-parallel ones). ``timeout``: seconds to wait for a
         step's decisions (default: the client's timeout). ``score_region_bytes``: send the
-        scores through a shared-memory region of that size (KvCacheClient.stream)."""
+        scores through a shared-memory region of that size (KvCacheClient.stream), which
+        the daemon creates with ``daemon_score_region``."""
         self._client = client
         self.rank = rank
         self.head_count = head_count
         self._stream = client.stream(rank=rank,
                                      timeout=timeout if timeout is not None else client.timeout,
-                                     score_region_bytes=score_region_bytes)
+                                     score_region_bytes=score_region_bytes,
+                                     daemon_score_region=daemon_score_region)
         self._sequences: Dict[str, TrackedSequence] = {}
 
     @property

@@ -12,7 +12,7 @@ from .credentials import TlsConfig, make_channel, read_token_file
 from .errors import KvCacheError
 from .policy import Policy
 from .region import ScoreRegion
-from .results import Decision, KvPool, SequenceState, SequenceStats
+from .results import CreatedScoreRegion, Decision, KvPool, SequenceState, SequenceStats
 from .scores import normalize_dtype
 from .stream import ReportLike, StepStream, reports_to_proto
 
@@ -147,16 +147,19 @@ class KvCacheClient:
 
     def batch(self, *, rank: int = 0, head_count: Optional[int] = None,
               timeout: Optional[float] = None,
-              score_region_bytes: Optional[int] = None) -> SequenceBatch:
+              score_region_bytes: Optional[int] = None,
+              daemon_score_region: bool = False) -> SequenceBatch:
         """A :class:`SequenceBatch` for this worker rank (its own StepStream).
 
         ``score_region_bytes``: send the scores through a shared-memory region of that size
         (the daemon on this node, run with --allow_shm_scores), see :meth:`stream`."""
         return SequenceBatch(self, rank=rank, head_count=head_count, timeout=timeout,
-                             score_region_bytes=score_region_bytes)
+                             score_region_bytes=score_region_bytes,
+                             daemon_score_region=daemon_score_region)
 
     def stream(self, *, rank: int = 0, timeout: Optional[float] = None,
-               score_region_bytes: Optional[int] = None) -> StepStream:
+               score_region_bytes: Optional[int] = None,
+               daemon_score_region: bool = False) -> StepStream:
         """A raw :class:`StepStream` for this rank: explicit step numbers, no tracking.
 
         ``score_region_bytes``: create and register a :class:`ScoreRegion` of that many
@@ -164,8 +167,10 @@ class KvCacheClient:
         aligned; those that do not fit go inline) and the reports name their ranges. The
         stream owns it: closing the stream unregisters and unlinks it. Raises
         KvCacheError FAILED_PRECONDITION when the daemon was started without
-        --allow_shm_scores."""
-        region = ScoreRegion(self, score_region_bytes) if score_region_bytes else None
+        --allow_shm_scores. ``daemon_score_region``: the daemon creates the region
+        (CreateScoreRegion) instead of this process; the same otherwise."""
+        region = (ScoreRegion(self, score_region_bytes, from_daemon=daemon_score_region)
+                  if score_region_bytes else None)
         try:
             return StepStream(self._stub, rank=rank, timeout=timeout, score_region=region)
         except BaseException:
@@ -187,8 +192,20 @@ class KvCacheClient:
             f"RegisterScoreRegion({name!r}, {byte_size} bytes)")
         return response.region
 
+    def create_score_region(self, byte_size: int) -> CreatedScoreRegion:
+        """CreateScoreRegion: the daemon allocates ``byte_size`` bytes where its engine
+        decides (its own shared memory, or device memory on its GPU with
+        --engine_backend=cuda) and says how to map them. Free it with
+        :meth:`unregister_score_region`. Raises KvCacheError FAILED_PRECONDITION (no
+        --allow_shm_scores), INVALID_ARGUMENT (size), RESOURCE_EXHAUSTED (its limits)."""
+        response = self._call(self._stub.CreateScoreRegion,
+                              pb.CreateScoreRegionRequest(byte_size=byte_size),
+                              f"CreateScoreRegion({byte_size} bytes)")
+        return CreatedScoreRegion.from_proto(response)
+
     def unregister_score_region(self, region: int) -> None:
-        """UnregisterScoreRegion: the daemon unmaps it. Raises KvCacheError NOT_FOUND."""
+        """UnregisterScoreRegion: the daemon unmaps it (a created one: frees it). Raises
+        KvCacheError NOT_FOUND."""
         self._call(self._stub.UnregisterScoreRegion,
                    pb.UnregisterScoreRegionRequest(region=region),
                    f"UnregisterScoreRegion({region})")

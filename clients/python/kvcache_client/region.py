@@ -13,7 +13,12 @@ named it has arrived; a stream sends its next batch only after the previous one'
 decisions, so each batch may reuse the whole region. A report that does not fit in what is
 left goes inline (counted in :attr:`ScoreRegion.inline_reports`).
 
-The object is created with a random name and mode 0600 (so the daemon must run as the same
+With ``from_daemon=True`` the daemon creates the object instead (``CreateScoreRegion``)
+and this class maps it; the daemon owns it and frees it on ``close``. (A daemon deciding on
+a GPU creates device memory instead, which this class refuses: see
+:class:`~kvcache_client.results.CreatedScoreRegion`.)
+
+Otherwise the object is created with a random name and mode 0600 (so the daemon must run as the same
 user, or root, and see the same /dev/shm), is not handed to multiprocessing's resource
 tracker (which would unlink it behind the batch's back, or warn about it), and is
 unregistered and unlinked by :meth:`ScoreRegion.close` (or, failing that, unlinked when the
@@ -47,41 +52,66 @@ class ScoreRegion:
     Not thread-safe: its stream writes one batch at a time (under the stream's lock).
     """
 
-    def __init__(self, client: "KvCacheClient", byte_size: int) -> None:
-        """Creates the object (``byte_size`` bytes) and registers it with the daemon.
+    def __init__(self, client: "KvCacheClient", byte_size: int, *,
+                 from_daemon: bool = False) -> None:
+        """Creates the object (``byte_size`` bytes) and registers it with the daemon, or
+        (``from_daemon``) has the daemon create it and maps it.
 
         Raises:
           ValueError: ``byte_size`` below 1.
           KvCacheError: FAILED_PRECONDITION when the daemon does not take shared-memory
-            scores (started without --allow_shm_scores); INVALID_ARGUMENT when it cannot
-            open the object (another user, another /dev/shm); RESOURCE_EXHAUSTED past its
-            region limit. Nothing is left behind.
+            scores (started without --allow_shm_scores), or made the region in device
+            memory; INVALID_ARGUMENT when it cannot open the object (another user, another
+            /dev/shm); RESOURCE_EXHAUSTED past its region limits. Nothing is left behind.
         """
         if int(byte_size) < 1:
             raise ValueError(f"score_region_bytes must be >= 1, got {byte_size}")
         self.byte_size = int(byte_size)
-        self._shm = _create(self.byte_size)
-        self.name: str = self._shm._name  # type: ignore[attr-defined]  # "/kvcm-...": shm_open's
-        self._finalizer = weakref.finalize(self, _unlink, self.name, os.getpid())
         self._client = client
-        try:
-            self.region_id = client.register_score_region(self.name, self.byte_size)
-        except BaseException as error:
-            self._release()
-            if (isinstance(error, KvCacheError)
-                    and error.code == grpc.StatusCode.FAILED_PRECONDITION):
-                raise KvCacheError(
-                    error.code,
-                    f"kvcached at {client.address} does not take shared-memory scores: start "
-                    "it with --allow_shm_scores, or make the batch without "
-                    f"score_region_bytes ({error.message})") from None
-            raise
+        if from_daemon:
+            self._attach_created(client)
+        else:
+            self._create_and_register(client)
         self._buf: Optional[memoryview] = self._shm.buf
         self._cursor = 0
         self.region_reports = 0   #: reports whose scores went through the region
         self.inline_reports = 0   #: reports that did not fit and went inline
         self.high_water_bytes = 0  #: the most bytes one batch used
         self.closed = False
+
+    def _attach_created(self, client: "KvCacheClient") -> None:
+        try:
+            created = client.create_score_region(self.byte_size)
+        except KvCacheError as error:
+            raise _explained(error, client) from None
+        self.region_id = created.region
+        if created.backend != "host" or not created.shm_name:
+            client.unregister_score_region(created.region)
+            raise KvCacheError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"kvcached at {client.address} created score region {created.region} in "
+                f"{created.backend} memory (GPU {created.device_uuid}): open its "
+                "cuda_ipc_handle with cudaIpcOpenMemHandle (create_score_region) instead of "
+                "mapping it as shared memory")
+        try:
+            self._shm = _attach(created.shm_name)
+        except BaseException:
+            client.unregister_score_region(created.region)
+            raise
+        self.name = created.shm_name
+        self._finalizer = weakref.finalize(self, lambda: None)  # the daemon's to unlink
+
+    def _create_and_register(self, client: "KvCacheClient") -> None:
+        self._shm = _create(self.byte_size)
+        self.name: str = self._shm._name  # type: ignore[attr-defined]  # "/kvcm-...": shm_open's
+        self._finalizer = weakref.finalize(self, _unlink, self.name, os.getpid())
+        try:
+            self.region_id = client.register_score_region(self.name, self.byte_size)
+        except BaseException as error:
+            self._release()
+            if isinstance(error, KvCacheError):
+                raise _explained(error, client) from None
+            raise
 
     # -- one batch at a time ---------------------------------------------------------------
 
@@ -163,6 +193,32 @@ def _create(byte_size: int) -> shared_memory.SharedMemory:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         return shm
     raise FileExistsError("no free shared-memory name for a score region after 16 tries")
+
+
+def _explained(error: KvCacheError, client: "KvCacheClient") -> KvCacheError:
+    """``error``, with what to do when the daemon takes no score regions at all."""
+    if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+        return error
+    return KvCacheError(
+        error.code,
+        f"kvcached at {client.address} does not take shared-memory scores: start it with "
+        f"--allow_shm_scores, or make the batch without score_region_bytes ({error.message})")
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Maps the daemon's object ``name`` ("/..."), untracked by the resource tracker (the
+    daemon unlinks it, not this process)."""
+    bare = name.lstrip("/")
+    try:
+        return shared_memory.SharedMemory(name=bare, track=False)  # Python >= 3.13
+    except TypeError:
+        pass
+    shm = shared_memory.SharedMemory(name=bare)
+    # Before 3.13 even attaching registers the name with the resource tracker, which would
+    # unlink the daemon's object when this process exits.
+    from multiprocessing import resource_tracker
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
 
 
 def _unlink(name: str, owner_pid: Optional[int] = None) -> None:

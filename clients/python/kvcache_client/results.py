@@ -144,6 +144,33 @@ class KvPool:
 
 
 @dataclass(frozen=True)
+class CreatedScoreRegion:
+    """A score region kvcached created (KvCacheClient.create_score_region).
+
+    ``backend`` "host": a POSIX shared-memory object of the daemon's, ``shm_name``, mapped
+    read-write with shm_open and mmap(``bytes``) (:class:`ScoreRegion` with
+    ``from_daemon=True`` does it). "cuda": device memory on the daemon's engine GPU; open
+    ``cuda_ipc_handle`` with cudaIpcOpenMemHandle on the GPU whose UUID is
+    ``device_uuid`` and write the score rows there with your own kernels.
+    """
+
+    region: int
+    backend: str  #: host or cuda
+    bytes: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    device: int                 #: the daemon's CUDA ordinal; match the GPU by the next two
+    device_uuid: str = ""
+    device_pci_bus_id: str = ""
+
+    @classmethod
+    def from_proto(cls, m: "pb.CreateScoreRegionResponse") -> "CreatedScoreRegion":
+        backend = {pb.KV_BACKEND_HOST: "host", pb.KV_BACKEND_CUDA: "cuda"}.get(m.backend, "")
+        return cls(m.region, backend, m.bytes, m.shm_name, m.cuda_ipc_handle, m.device,
+                   m.device_uuid, m.device_pci_bus_id)
+
+
+@dataclass(frozen=True)
 class Decision:
     """The outcome of one sequence's step.
 
