@@ -135,12 +135,15 @@ class DaemonRunner : public BatchRunner {
       client::AddReport(&batch_, id, 0);
     }
     parked_.assign(ids.size(), std::string());
-    if (o_.transport == "shm") {
+    if (o_.transport != "grpc") {
       // One range per sequence, sized for the steady step; the scores are written once
       // (as the grpc transport packs them into the request once) and referenced after.
+      // "created": the daemon makes the region (CreateScoreRegion), "shm": this process.
       stride_ = client::NextScoreOffset(0, static_cast<int64_t>(in_.steady.size()));
-      ASSIGN_OR_RETURN(region_, client::ScoreRegion::Create(
-                                    *client_, stride_ * static_cast<int64_t>(ids.size())));
+      const int64_t bytes = stride_ * static_cast<int64_t>(ids.size());
+      ASSIGN_OR_RETURN(region_, o_.transport == "created"
+                                    ? client::ScoreRegion::CreateInDaemon(*client_, bytes)
+                                    : client::ScoreRegion::Create(*client_, bytes));
     }
     ASSIGN_OR_RETURN(stream_, client_->OpenStepStream());
     return absl::OkStatus();
@@ -209,7 +212,7 @@ class DaemonRunner : public BatchRunner {
   const LoadOptions& o_;
   const Inputs& in_;
   client::KvCacheClient* const client_;
-  std::unique_ptr<client::ScoreRegion> region_;  // transport shm
+  std::unique_ptr<client::ScoreRegion> region_;  // transports shm and created
   int64_t stride_ = 0;                           // bytes between two sequences' ranges
   std::vector<std::string> ids_;
   std::unique_ptr<client::StepStream> stream_;
@@ -317,8 +320,8 @@ absl::StatusOr<LoadResult> Run(const LoadOptions& o, absl::string_view run,
   if (o.sequences < 1 || o.streams < 1 || o.layers < 1) {
     return absl::InvalidArgumentError("--sequences, --streams and --layers must be >= 1");
   }
-  if (o.transport != "grpc" && o.transport != "shm") {
-    return absl::InvalidArgumentError("--transport must be grpc or shm");
+  if (o.transport != "grpc" && o.transport != "shm" && o.transport != "created") {
+    return absl::InvalidArgumentError("--transport must be grpc, shm or created");
   }
   ASSIGN_OR_RETURN(const Inputs in, MakeInputs(o));
   const int32_t streams = std::min(o.streams, o.sequences);

@@ -29,8 +29,9 @@ ABSL_FLAG(absl::Duration, duration, absl::Seconds(10), "steady-state time per po
 ABSL_FLAG(bool, embedded, true, "also run the same work in-process for the ratio");
 ABSL_FLAG(uint64_t, seed, 1, "seed of the synthetic scores");
 ABSL_FLAG(std::string, transport, "grpc",
-          "how scores reach the daemon: grpc (inline bytes) or shm (a shared-memory score "
-          "region per stream; kvcached needs --allow_shm_scores)");
+          "how scores reach the daemon: grpc (inline bytes), shm (a shared-memory score "
+          "region per stream; kvcached needs --allow_shm_scores) or created (the same in a "
+          "region kvcached creates; not with --engine_backend=cuda)");
 ABSL_FLAG(bool, folded, false,
           "open the sequences with the FOLDED layout: one folded row per scoring step");
 

@@ -3,7 +3,8 @@
 // bus id, exhaustion, compaction moving the right bytes with the CUDA kernel (checked
 // against the pattern each token was written with), and a second process mapping the
 // pool by its handle (kvcm_gpu_ipc_child) and seeing the parent's bytes, before and after
-// a compaction.
+// a compaction; and a second process writing score rows into exported device memory (a
+// daemon-created CUDA score region) that the engine reads in place.
 #include "cache_manager/cuda_block_pool.h"
 
 #include <cuda_runtime_api.h>
@@ -13,6 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -21,7 +24,10 @@
 #include <string>
 #include <vector>
 
+#include "cache_manager/sequence.h"
+#include "cache_manager/tensor_parallel_join.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/pools/kv_pattern.h"
 
@@ -74,30 +80,12 @@ std::string Hex(const std::string& bytes) {
   return hex;
 }
 
-// Runs kvcm_gpu_ipc_child (next to this test's executable) on `pool`'s export, checking
-// that slot `slots[i]` holds token `ids[i]`; returns its exit status.
-int RunIpcChild(const BlockPool& pool, std::span<const int64_t> slots,
-                const std::vector<int64_t>& ids) {
-  const absl::StatusOr<CudaIpcExport> exported = CudaIpcExportOf(pool.storage());
-  EXPECT_TRUE(exported.ok()) << exported.status();
-  if (!exported.ok()) return -1;
+// Runs kvcm_gpu_ipc_child (next to this test's executable) with `args`; returns its exit
+// status (-1 when it could not start or was killed).
+int RunChild(std::vector<std::string> args) {
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
   const std::string child = (self.parent_path() / "kvcm_gpu_ipc_child").string();
-  const std::string checks = ::testing::TempDir() + "/ipc_checks_" + std::to_string(getpid());
-  {
-    std::ofstream out(checks);
-    for (size_t i = 0; i < ids.size(); ++i) out << slots[i] << " " << ids[i] << "\n";
-  }
-  std::vector<std::string> args = {child,
-                                   Hex(exported->handle),
-                                   exported->identity.uuid,
-                                   std::to_string(exported->bytes),
-                                   std::to_string(kLayout.tokens_per_block),
-                                   std::to_string(kLayout.layers),
-                                   std::to_string(kLayout.kv_heads),
-                                   std::to_string(kLayout.head_dim),
-                                   std::to_string(static_cast<int>(kLayout.dtype)),
-                                   checks};
+  args.insert(args.begin(), child);
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -107,8 +95,29 @@ int RunIpcChild(const BlockPool& pool, std::span<const int64_t> slots,
   if (spawned != 0) return -1;
   int status = 0;
   EXPECT_EQ(waitpid(pid, &status, 0), pid);
-  std::filesystem::remove(checks);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Runs the child on `pool`'s export, checking that slot `slots[i]` holds token `ids[i]`;
+// returns its exit status.
+int RunIpcChild(const BlockPool& pool, std::span<const int64_t> slots,
+                const std::vector<int64_t>& ids) {
+  const absl::StatusOr<CudaIpcExport> exported = CudaIpcExportOf(pool.storage());
+  EXPECT_TRUE(exported.ok()) << exported.status();
+  if (!exported.ok()) return -1;
+  const std::string checks = ::testing::TempDir() + "/ipc_checks_" + std::to_string(getpid());
+  {
+    std::ofstream out(checks);
+    for (size_t i = 0; i < ids.size(); ++i) out << slots[i] << " " << ids[i] << "\n";
+  }
+  const int status = RunChild({Hex(exported->handle), exported->identity.uuid,
+                               std::to_string(exported->bytes),
+                               std::to_string(kLayout.tokens_per_block),
+                               std::to_string(kLayout.layers), std::to_string(kLayout.kv_heads),
+                               std::to_string(kLayout.head_dim),
+                               std::to_string(static_cast<int>(kLayout.dtype)), checks});
+  std::filesystem::remove(checks);
+  return status;
 }
 
 TEST(CudaBlockPoolTest, RejectsADeviceThatDoesNotExist) {
@@ -293,6 +302,103 @@ TEST(CudaBlockPoolTest, CompactionMovesEveryLiveTokensKAndVOnTheDevice) {
     }
   }
   EXPECT_EQ(pool->Usage().used_blocks, 0);
+}
+
+// Writes `rows` into `exported` at `offset` from another process (kvcm_gpu_ipc_child
+// write), as a worker's capture kernel fills a daemon-created score region.
+void WriteFromWorker(const CudaIpcExport& exported, size_t offset, const std::vector<float>& rows) {
+  const std::string file = ::testing::TempDir() + "/ipc_rows_" + std::to_string(getpid());
+  {
+    std::ofstream out(file, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(rows.data()),
+              static_cast<std::streamsize>(rows.size() * sizeof(float)));
+  }
+  EXPECT_EQ(RunChild({"write", Hex(exported.handle), exported.identity.uuid,
+                      std::to_string(offset), file}),
+            0);
+  std::filesystem::remove(file);
+}
+
+std::vector<float> RandomRows(std::mt19937_64& rng, int64_t n) {
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> rows(static_cast<size_t>(n));
+  for (float& x : rows) x = u(rng) * u(rng);
+  return rows;
+}
+
+// The worker flow of a CUDA score region the daemon creates (CreateScoreRegion with
+// --engine_backend=cuda), without gRPC: the region is the daemon's exported device memory
+// (NewCudaKvStorage); a worker process opens it by handle and writes each step's rows;
+// the engine reads them in place on the GPU (ScoreSpace::kBackend), and a
+// tensor-parallel step joins two ranks' rows there. Decisions and momentum must equal the
+// host engine's on the same scores, bit for bit.
+TEST(CudaScoreRegionTest, AWorkerProcessWritesScoresThatTheEngineReadsInPlace) {
+  KVCM_SKIP_WITHOUT_GPU();
+  constexpr int64_t kLayers = 4;
+  absl::StatusOr<std::unique_ptr<KvStorage>> region = NewCudaKvStorage(int64_t{8} << 20, 0);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const absl::StatusOr<CudaIpcExport> exported = CudaIpcExportOf(**region);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  std::mt19937_64 rng(29);
+
+  SequenceOptions options;
+  options.prefill_len = 3000;
+  options.budget = BudgetSpec::Tokens(256);
+  options.preset = "inertia";
+  absl::StatusOr<std::unique_ptr<Sequence>> host = Sequence::Create("host", options);
+  options.backend = &kernels::cuda::CudaBackend();
+  absl::StatusOr<std::unique_ptr<Sequence>> device = Sequence::Create("device", options);
+  ASSERT_TRUE(host.ok() && device.ok());
+  for (int64_t step = 1; step <= 8; ++step) {
+    const int64_t tokens = (*host)->next_score_length();
+    const std::vector<float> rows = RandomRows(rng, kLayers * tokens);
+    const size_t offset = static_cast<size_t>(step % 2) * (size_t{4} << 20);  // two ranges
+    WriteFromWorker(*exported, offset, rows);
+    const auto on_host =
+        kernels::ScoreMatrix::Dense(rows.data(), kernels::ScoreDtype::kFloat32, kLayers, tokens);
+    const auto in_region = kernels::ScoreMatrix::Dense(
+        static_cast<std::byte*>((*region)->data()) + offset, kernels::ScoreDtype::kFloat32,
+        kLayers, tokens);
+    EvictionDecision hd, dd;
+    ASSERT_TRUE((*host)->Step(step, &on_host, &hd).ok());
+    const absl::Status stepped =
+        (*device)->Step(step, &in_region, &dd, MomentumState::ScoreSpace::kBackend);
+    ASSERT_TRUE(stepped.ok()) << stepped;
+    ASSERT_EQ(hd.evicted, dd.evicted) << "step " << step;
+  }
+  const auto hm = (*host)->state().momentum(), dm = (*device)->state().momentum();
+  ASSERT_EQ(hm.size(), dm.size());
+  EXPECT_EQ(std::memcmp(hm.data(), dm.data(), hm.size() * sizeof(float)), 0);
+
+  // Two ranks' head sums, written by the worker side by side, joined on the GPU.
+  const int64_t tokens = 777;
+  const std::vector<float> r0 = RandomRows(rng, kLayers * tokens), r1 = RandomRows(rng, kLayers * tokens);
+  WriteFromWorker(*exported, 0, r0);
+  WriteFromWorker(*exported, size_t{4} << 20, r1);
+  TensorParallelJoin on_host(2), on_gpu(2, kernels::CpuBackend(), &kernels::cuda::CudaBackend(), 0);
+  const JoinExpectation expect{"tp", 1, tokens, true};
+  for (int32_t rank : {1, 0}) {
+    const std::vector<float>& rows = rank == 0 ? r0 : r1;
+    RankReport report;
+    report.rank = rank;
+    report.step = 1;
+    report.head_count = 2 + rank;
+    report.partial_sums =
+        kernels::ScoreMatrix::Dense(rows.data(), kernels::ScoreDtype::kFloat32, kLayers, tokens);
+    ASSERT_TRUE(on_host.Add(report, expect).ok());
+    report.partial_sums.data =
+        static_cast<std::byte*>((*region)->data()) + (rank == 0 ? 0 : (size_t{4} << 20));
+    report.in_backend = true;
+    ASSERT_TRUE(on_gpu.Add(report, expect).ok());
+  }
+  const kernels::ScoreMatrix want = on_host.Join();
+  absl::StatusOr<kernels::ScoreMatrix> joined = on_gpu.JoinOnDevice();
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  std::vector<float> got(static_cast<size_t>(kLayers * tokens));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), joined->data, got.size() * sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(std::memcmp(got.data(), want.data, got.size() * sizeof(float)), 0);
 }
 
 }  // namespace

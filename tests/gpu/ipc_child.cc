@@ -1,18 +1,23 @@
 // kvcm_gpu_ipc_child: the worker side of tests/gpu/cuda_block_pool_test.cc's two-process
-// test. It finds the exporting process's GPU by UUID (ordinals may differ between
-// processes), opens the pool by its CUDA IPC handle, copies the mapping to the host and
-// checks that every listed slot holds its token's K/V pattern (tests/pools/kv_pattern.h).
+// tests. It finds the exporting process's GPU by UUID (ordinals may differ between
+// processes) and opens the memory by its CUDA IPC handle. Then either it copies the
+// mapping to the host and checks that every listed slot holds its token's K/V pattern
+// (tests/pools/kv_pattern.h), or (`write`) it writes a file's bytes at an offset, as a
+// worker writes score rows into a score region the daemon created.
 //
 //   kvcm_gpu_ipc_child HANDLE_HEX UUID BYTES TPB LAYERS KV_HEADS HEAD_DIM DTYPE CHECKS_FILE
+//   kvcm_gpu_ipc_child write HANDLE_HEX UUID OFFSET FILE
 //
 // CHECKS_FILE holds "slot token" pairs, one per line. Exit status: 0 when every slot
-// holds its token, 1 when one does not (printed), 2 on a CUDA or usage error.
+// holds its token (or the bytes were written), 1 when one does not (printed), 2 on a CUDA
+// or usage error.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -28,15 +33,9 @@ int Fail(const char* what, cudaError_t error) {
   return 2;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc != 10) {
-    std::fprintf(stderr, "usage: %s HANDLE_HEX UUID BYTES TPB LAYERS KV_HEADS HEAD_DIM DTYPE CHECKS\n",
-                 argv[0]);
-    return 2;
-  }
-  const std::string hex = argv[1];
+// Parses HANDLE_HEX, finds the device with `uuid`, makes it current and opens the handle.
+// Returns 0, or the exit status of the failure (printed).
+int OpenByUuid(const std::string& hex, const std::string& uuid, void** mapped) {
   cudaIpcMemHandle_t handle{};
   if (hex.size() != 2 * sizeof(handle.reserved)) {
     std::fprintf(stderr, "ipc child: the handle has %zu hex digits\n", hex.size());
@@ -45,11 +44,6 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < sizeof(handle.reserved); ++i) {
     handle.reserved[i] = static_cast<char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
   }
-  const std::string uuid = argv[2];
-  const size_t bytes = std::stoull(argv[3]);
-  const kvcm::kernels::KvBlockLayout layout{std::stoll(argv[4]), std::stoll(argv[5]),
-                                            std::stoll(argv[6]), std::stoll(argv[7]),
-                                            static_cast<kvcm::kernels::KvDtype>(std::stoi(argv[8]))};
   int count = 0;
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) return Fail("cudaGetDeviceCount", e);
   int device = -1;
@@ -65,11 +59,53 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return Fail("cudaSetDevice", e);
-  void* mapped = nullptr;
-  if (cudaError_t e = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
+  if (cudaError_t e = cudaIpcOpenMemHandle(mapped, handle, cudaIpcMemLazyEnablePeerAccess);
       e != cudaSuccess) {
     return Fail("cudaIpcOpenMemHandle", e);
   }
+  return 0;
+}
+
+// `write` mode: a worker writing its score rows into a daemon-created CUDA score region.
+int WriteFile(const std::string& hex, const std::string& uuid, size_t offset, const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  void* mapped = nullptr;
+  if (int failed = OpenByUuid(hex, uuid, &mapped); failed != 0) return failed;
+  if (cudaError_t e = cudaMemcpy(static_cast<char*>(mapped) + offset, bytes.data(), bytes.size(),
+                                 cudaMemcpyHostToDevice);
+      e != cudaSuccess) {
+    return Fail("cudaMemcpy", e);
+  }
+  // Complete before the report that names the rows is sent (the proto's rule).
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return Fail("cudaDeviceSynchronize", e);
+  if (cudaError_t e = cudaIpcCloseMemHandle(mapped); e != cudaSuccess) {
+    return Fail("cudaIpcCloseMemHandle", e);
+  }
+  std::printf("ipc child: wrote %zu bytes at offset %zu\n", bytes.size(), offset);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 6 && std::string(argv[1]) == "write") {
+    return WriteFile(argv[2], argv[3], std::stoull(argv[4]), argv[5]);
+  }
+  if (argc != 10) {
+    std::fprintf(stderr,
+                 "usage: %s HANDLE_HEX UUID BYTES TPB LAYERS KV_HEADS HEAD_DIM DTYPE CHECKS\n"
+                 "       %s write HANDLE_HEX UUID OFFSET FILE\n",
+                 argv[0], argv[0]);
+    return 2;
+  }
+  const std::string uuid = argv[2];
+  const size_t bytes = std::stoull(argv[3]);
+  const kvcm::kernels::KvBlockLayout layout{std::stoll(argv[4]), std::stoll(argv[5]),
+                                            std::stoll(argv[6]), std::stoll(argv[7]),
+                                            static_cast<kvcm::kernels::KvDtype>(std::stoi(argv[8]))};
+  void* mapped = nullptr;
+  if (int failed = OpenByUuid(argv[1], uuid, &mapped); failed != 0) return failed;
   std::vector<uint8_t> host(bytes);
   if (cudaError_t e = cudaMemcpy(host.data(), mapped, bytes, cudaMemcpyDeviceToHost); e != cudaSuccess) {
     return Fail("cudaMemcpy", e);
