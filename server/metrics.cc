@@ -226,9 +226,15 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
                         .Add({});
   score_regions_ = &prometheus::BuildGauge()
                         .Name("kvcache_score_regions")
-                        .Help("Shared-memory score regions mapped")
+                        .Help("Score regions held (registered by workers or created)")
                         .Register(r)
                         .Add({});
+  created_score_region_bytes_ =
+      &prometheus::BuildGauge()
+           .Name("kvcache_score_region_created_bytes")
+           .Help("Bytes of the score regions kvcached created (CreateScoreRegion)")
+           .Register(r)
+           .Add({});
   pending_join_bytes_ = &prometheus::BuildGauge()
                              .Name("kvcache_pending_join_bytes")
                              .Help("Partial sums held by tensor-parallel steps waiting for ranks")
@@ -296,9 +302,11 @@ void ServerMetrics::ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes, bool vi
 }
 
 void ServerMetrics::SetStepPathGauges(int64_t engine_queued, int64_t score_regions,
+                                      int64_t created_score_region_bytes,
                                       int64_t pending_join_bytes) {
   engine_queued_->Set(static_cast<double>(engine_queued));
   score_regions_->Set(static_cast<double>(score_regions));
+  created_score_region_bytes_->Set(static_cast<double>(created_score_region_bytes));
   pending_join_bytes_->Set(static_cast<double>(pending_join_bytes));
 }
 

@@ -80,7 +80,8 @@ class ServerMetrics {
   // Score bytes of one report, inline or read from a score region.
   void ScoreBytes(kernels::ScoreDtype dtype, int64_t bytes, bool via_region);
   // Sampled by the daemon's housekeeping loop.
-  void SetStepPathGauges(int64_t engine_queued, int64_t score_regions, int64_t pending_join_bytes);
+  void SetStepPathGauges(int64_t engine_queued, int64_t score_regions,
+                         int64_t created_score_region_bytes, int64_t pending_join_bytes);
   void Error(Rpc rpc, absl::StatusCode code);
   void SetServing(bool serving);
   void StreamOpened();
@@ -125,6 +126,7 @@ class ServerMetrics {
   std::array<std::array<prometheus::Counter*, 3>, 2> score_bytes_;  // [grpc, shm][dtype]
   prometheus::Gauge* engine_queued_;
   prometheus::Gauge* score_regions_;
+  prometheus::Gauge* created_score_region_bytes_;
   prometheus::Gauge* pending_join_bytes_;
   prometheus::Gauge* serving_;
   prometheus::Gauge* streams_open_;

@@ -207,7 +207,8 @@ absl::StatusOr<ScoreRegions::View> ScoreRegions::Resolve(absl::string_view tenan
   };
   if (mapping == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat(describe(), ": no such region is registered (RegisterScoreRegion) or created (CreateScoreRegion)"));
+        absl::StrCat(describe(), ": no such region is registered (RegisterScoreRegion) or "
+                                 "created (CreateScoreRegion)"));
   }
   if (range.byte_size == 0 || range.offset > mapping->size ||
       range.byte_size > mapping->size - range.offset) {

@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "replays a kvtrace/1 file through the eviction engine.\n"
       "  kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary] [--folded]\n"
-      "  kvcache-replay --trace FILE --server ADDR [--transport grpc|shm] [--tp N] [--folded]\n"
+      "  kvcache-replay --trace FILE --server ADDR [--transport grpc|shm|created] [--tp N] [--folded]\n"
       "  kvcache-replay --trace FILE --device cuda [--gpu N]\n"
       "  kvcache-replay --trace FILE --compare inertia,inertia_lazy4,score_free,tova");
   absl::ParseCommandLine(argc, argv);

@@ -434,6 +434,8 @@ TEST_F(StepPathTest, CreatedRegionsStopAtTheirLimitsAndSayWhich) {
                "--max_score_regions=3"});
   absl::StatusOr<v1::CreateScoreRegionResponse> a = CreateRegion(*client_, 40000);
   ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(WaitFor(
+      [&] { return MetricValue(Metrics(), "kvcache_score_region_created_bytes") == 40000; }));
   absl::StatusOr<v1::CreateScoreRegionResponse> b = CreateRegion(*client_, 30000);
   EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
   EXPECT_THAT(b.status().message(), HasSubstr("--max_created_score_region_bytes"));
@@ -459,6 +461,8 @@ TEST_F(StepPathTest, CreatedRegionsStopAtTheirLimitsAndSayWhich) {
   EXPECT_EQ(fourth.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(fourth.status().message(), HasSubstr("--max_score_regions"));
   for (uint64_t r : made) EXPECT_TRUE(Unregister(r).ok());
+  EXPECT_TRUE(
+      WaitFor([&] { return MetricValue(Metrics(), "kvcache_score_region_created_bytes") == 0; }));
   EXPECT_TRUE(CreateRegion(*client_, 65536).ok());
 }
 
