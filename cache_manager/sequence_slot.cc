@@ -47,7 +47,7 @@ SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_
       sequence_(std::move(sequence)),
       // Partial sums in the sequence's device memory are joined there.
       join_(tp_world_size, kernels::CpuBackend(), &sequence_->state().backend(),
-            sequence_->state().device()),
+            sequence_->state().device(), limits.cross_device),
       kv_(std::move(kv)),
       events_(MakeEvents(events, *sequence_, tp_world_size, kv_, tenant_)),
       memory_bytes_(charged_bytes),
@@ -179,6 +179,14 @@ absl::Status SequenceSlot::Submit(const RankReport& report, DecisionWaiter waite
         "sequence '", sequence_->id(), "' step ", report.step, ": rank ", report.rank,
         " reported for a sequence with a single rank"));
   }
+  const bool device_scores =
+      report.in_backend && sequence_->state().backend().memory != kernels::MemorySpace::kHost;
+  if (device_scores && report.device >= 0 && report.device != sequence_->state().device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence '", sequence_->id(), "' step ", report.step, ": its scores are on device ",
+        report.device, " and the sequence decides on device ", sequence_->state().device(),
+        "; a single-rank sequence's score region must be created without a rank"));
+  }
   const absl::Time start = absl::Now();
   RETURN_IF_ERROR(StepLocked(report.step, &report.partial_sums, &decision_,
                              report.in_backend ? MomentumState::ScoreSpace::kBackend
@@ -257,8 +265,9 @@ absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, Decision
     absl::StatusOr<kernels::ScoreMatrix> joined = join_.JoinOnDevice();
     status = joined.ok() ? StepLocked(step, &*joined, &decision_,
                                       MomentumState::ScoreSpace::kBackend)
-                         : absl::InternalError(absl::StrCat("sequence '", sequence.id(), "' step ",
-                                                            step, ": ", joined.status().message()));
+                         : absl::Status(joined.status().code(),
+                                        absl::StrCat("sequence '", sequence.id(), "' step ", step,
+                                                     ": ", joined.status().message()));
   } else {
     const kernels::ScoreMatrix joined = join_.Join();
     status = StepLocked(step, &joined, &decision_);

@@ -59,6 +59,7 @@ struct SlotLimits {
   ByteBudget* join_budget = nullptr;    // partial sums of pending tensor-parallel steps
   ByteBudget* memory_budget = nullptr;  // the engine state of every sequence
   int64_t max_sequence_tokens = std::numeric_limits<int64_t>::max();  // prefill + decode
+  CrossDeviceJoiner* cross_device = nullptr;  // tensor-parallel partial sums on many devices
 };
 
 // A snapshot of one sequence.

@@ -261,7 +261,8 @@ absl::StatusOr<SequenceInfo> SequenceTable::OpenWithKv(std::string id,
     }
     kv.emplace(*std::move(lease));
   }
-  const SlotLimits limits{&join_budget_, budget, options_.max_sequence_tokens};
+  const SlotLimits limits{&join_budget_, budget, options_.max_sequence_tokens,
+                          options_.cross_device_joiner};
   auto slot = std::make_shared<SequenceSlot>(*std::move(sequence), tp_world_size, score_dtype,
                                              std::move(kv), limits, state_bytes, clock_->Now(),
                                              options_.kv_events, std::string(tenant));

@@ -82,6 +82,10 @@ struct SequenceTableOptions {
   // Not owned; backends are static.
   const kernels::KernelBackend* engine_backend = nullptr;
   int engine_device = 0;
+  // Joins tensor-parallel partial sums that sit one per rank on distinct devices (score
+  // regions placed on each rank's GPU); null: such steps are gathered onto the sequence's
+  // device first. Not owned; must outlive the table.
+  CrossDeviceJoiner* cross_device_joiner = nullptr;
 };
 
 struct SequenceTableTotals {

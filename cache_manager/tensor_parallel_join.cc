@@ -1,17 +1,20 @@
 #include "cache_manager/tensor_parallel_join.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/check.h"
 #include "cache_manager/status_macros.h"
+#include "kernels/momentum_update.h"
 #include "kernels/score_validation.h"
 
 namespace kvcm {
 
 TensorParallelJoin::TensorParallelJoin(int32_t world_size,
                                        const kernels::KernelBackend& backend,
-                                       const kernels::KernelBackend* device_backend, int device)
+                                       const kernels::KernelBackend* device_backend, int device,
+                                       CrossDeviceJoiner* cross_device)
     : world_size_(world_size),
       backend_(&backend),
       device_backend_(device_backend != nullptr &&
@@ -19,6 +22,7 @@ TensorParallelJoin::TensorParallelJoin(int32_t world_size,
                           ? device_backend
                           : nullptr),
       device_(device),
+      cross_device_(cross_device),
       slots_(static_cast<size_t>(world_size)) {
   KVCM_CHECK(world_size >= 1);
   KVCM_CHECK(backend.memory == kernels::MemorySpace::kHost);
@@ -30,8 +34,12 @@ TensorParallelJoin::~TensorParallelJoin() {
   if (!mem.set_device(device_).ok()) return;  // the device is gone; so is its memory
   for (Slot& slot : slots_) mem.release(slot.device_copy);
   mem.release(device_joined_);
-  mem.release(device_invalid_);
   mem.release_staging(staged_invalid_);
+  for (size_t d = 0; d < device_invalid_.size(); ++d) {
+    if (device_invalid_[d] != nullptr && mem.set_device(static_cast<int>(d)).ok()) {
+      mem.release(device_invalid_[d]);
+    }
+  }
 }
 
 absl::Status TensorParallelJoin::EnsureDeviceBuffer(size_t bytes, void** buffer,
@@ -46,42 +54,72 @@ absl::Status TensorParallelJoin::EnsureDeviceBuffer(size_t bytes, void** buffer,
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> TensorParallelJoin::CountInvalidOnDevice(const kernels::ScoreMatrix& p) {
+absl::StatusOr<int64_t> TensorParallelJoin::CountInvalidOnDevice(const kernels::ScoreMatrix& p,
+                                                                 int device) {
   const kernels::BackendMemory& mem = device_backend_->mem;
-  RETURN_IF_ERROR(mem.set_device(device_));
-  if (stream_ == nullptr) RETURN_IF_ERROR(mem.device_stream(device_, &stream_));
-  if (device_invalid_ == nullptr) {
+  RETURN_IF_ERROR(mem.set_device(device));
+  kernels::StreamHandle stream = nullptr;
+  RETURN_IF_ERROR(mem.device_stream(device, &stream));
+  // A counter in each device's own memory (no peer access needed).
+  if (device < 0) return absl::InvalidArgumentError(absl::StrCat("device ", device));
+  if (static_cast<size_t>(device) >= device_invalid_.size()) {
+    device_invalid_.resize(static_cast<size_t>(device) + 1, nullptr);
+  }
+  int64_t*& counter = device_invalid_[static_cast<size_t>(device)];
+  if (counter == nullptr) {
     void* d = nullptr;
     RETURN_IF_ERROR(mem.allocate(sizeof(int64_t), &d));
-    device_invalid_ = static_cast<int64_t*>(d);
+    counter = static_cast<int64_t*>(d);
   }
   if (staged_invalid_ == nullptr) {
     void* h = nullptr;
     RETURN_IF_ERROR(mem.allocate_staging(sizeof(int64_t), &h));
     staged_invalid_ = static_cast<int64_t*>(h);
   }
-  device_backend_->count_invalid_scores(p, device_invalid_, stream_);
-  RETURN_IF_ERROR(mem.copy(staged_invalid_, device_invalid_, sizeof(int64_t),
-                           kernels::CopyKind::kBackendToHost, stream_));
-  RETURN_IF_ERROR(mem.synchronize(stream_, "validating partial sums"));
+  device_backend_->count_invalid_scores(p, counter, stream);
+  RETURN_IF_ERROR(mem.copy(staged_invalid_, counter, sizeof(int64_t),
+                           kernels::CopyKind::kBackendToHost, stream));
+  RETURN_IF_ERROR(mem.synchronize(stream, "validating partial sums"));
   return *staged_invalid_;
 }
 
-kernels::InvalidScore TensorParallelJoin::FindInvalidOnDevice(const kernels::ScoreMatrix& p) {
+kernels::InvalidScore TensorParallelJoin::FindInvalidOnDevice(const kernels::ScoreMatrix& p,
+                                                              int device) {
   // The slow path of an error message: one download of the rows.
   const kernels::BackendMemory& mem = device_backend_->mem;
+  kernels::StreamHandle stream = nullptr;
+  if (!mem.set_device(device).ok() || !mem.device_stream(device, &stream).ok()) {
+    return kernels::InvalidScore{};
+  }
   const size_t row_bytes = static_cast<size_t>(p.tokens) * kernels::ScoreDtypeSize(p.dtype);
   std::vector<std::byte> host(row_bytes * static_cast<size_t>(p.layers));
   for (int64_t layer = 0; layer < p.layers; ++layer) {
     if (!mem.copy(host.data() + static_cast<size_t>(layer) * row_bytes, p.Row(layer), row_bytes,
-                  kernels::CopyKind::kBackendToHost, stream_)
+                  kernels::CopyKind::kBackendToHost, stream)
              .ok()) {
       return kernels::InvalidScore{};
     }
   }
-  if (!mem.synchronize(stream_, "reading partial sums back").ok()) return kernels::InvalidScore{};
+  if (!mem.synchronize(stream, "reading partial sums back").ok()) return kernels::InvalidScore{};
   return kernels::FindFirstInvalidScore(
       kernels::ScoreMatrix::Dense(host.data(), p.dtype, p.layers, p.tokens));
+}
+
+absl::Status CpuCrossDeviceJoiner::Join(std::span<const kernels::ScoreMatrix> partials,
+                                        std::span<const int> devices, int64_t total_heads,
+                                        int out_device, float* out) {
+  KVCM_CHECK(!partials.empty() && partials.size() == devices.size() && total_heads >= 1);
+  KVCM_CHECK(std::find(devices.begin(), devices.end(), out_device) != devices.end());
+  const size_t n = static_cast<size_t>(partials[0].layers * partials[0].tokens);
+  // What each NCCL rank does: widen its partials, all-reduce the doubles, divide.
+  std::vector<double> sum(n), wide(n);
+  for (size_t r = 0; r < partials.size(); ++r) {
+    kernels::cpu::WidenPartialSums(partials[r], r == 0 ? sum.data() : wide.data(), nullptr);
+    if (r == 0) continue;
+    for (size_t i = 0; i < n; ++i) sum[i] += wide[i];
+  }
+  kernels::cpu::ScaleJoinedSums(sum.data(), static_cast<int64_t>(n), total_heads, out, nullptr);
+  return absl::OkStatus();
 }
 
 std::vector<int32_t> TensorParallelJoin::MissingRanks() const {
@@ -136,9 +174,10 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
       return absl::InvalidArgumentError(absl::StrCat(where(), "malformed partial sums"));
     }
     const bool on_device = report.in_backend && device_backend_ != nullptr;
+    const int device = report.device >= 0 ? report.device : device_;
     int64_t invalid = 0;
     if (on_device) {
-      absl::StatusOr<int64_t> counted = CountInvalidOnDevice(p);
+      absl::StatusOr<int64_t> counted = CountInvalidOnDevice(p, device);
       if (!counted.ok()) {
         return absl::InternalError(absl::StrCat(where(), counted.status().message()));
       }
@@ -148,7 +187,7 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
     }
     if (invalid != 0) {
       const kernels::InvalidScore bad =
-          on_device ? FindInvalidOnDevice(p) : kernels::FindFirstInvalidScore(p);
+          on_device ? FindInvalidOnDevice(p, device) : kernels::FindFirstInvalidScore(p);
       return absl::InvalidArgumentError(absl::StrCat(
           where(), "layer ", bad.layer, " partial sum ", bad.index, " is ", bad.value,
           "; partial sums must be finite and >= 0"));
@@ -160,6 +199,7 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
       slot.view = p;
       slot.pin = report.pin;
       slot.on_device = true;
+      slot.device = device;
       any_on_device_ = true;
       slot.arrived = true;
       ++arrived_;
@@ -180,38 +220,75 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
   return absl::OkStatus();
 }
 
+bool TensorParallelJoin::OnePerRankDevice() const {
+  bool has_own = false;
+  for (size_t r = 0; r < slots_.size(); ++r) {
+    if (!slots_[r].on_device) return false;
+    has_own = has_own || slots_[r].device == device_;
+    for (size_t q = 0; q < r; ++q) {
+      if (slots_[q].device == slots_[r].device) return false;
+    }
+  }
+  return has_own && slots_.size() > 1;
+}
+
 absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
   KVCM_CHECK(complete() && any_on_device_ && device_backend_ != nullptr);
   const kernels::BackendMemory& mem = device_backend_->mem;
   RETURN_IF_ERROR(mem.set_device(device_));
   if (stream_ == nullptr) RETURN_IF_ERROR(mem.device_stream(device_, &stream_));
   views_.clear();
+  devices_.clear();
   int64_t total_heads = 0;
-  for (Slot& slot : slots_) {
-    if (!slot.on_device) {
-      // A host report of a step the others sent in device memory: uploaded (the copy is
-      // done with the host bytes when it returns; the join reads it on the same stream).
-      RETURN_IF_ERROR(
-          EnsureDeviceBuffer(slot.bytes.size(), &slot.device_copy, &slot.device_copy_bytes));
-      RETURN_IF_ERROR(mem.copy(slot.device_copy, slot.bytes.data(), slot.bytes.size(),
-                               kernels::CopyKind::kHostToBackend, stream_));
-      views_.push_back(kernels::ScoreMatrix::Dense(slot.device_copy, slot.view.dtype,
-                                                   slot.view.layers, slot.view.tokens));
-    } else {
-      views_.push_back(slot.view);
-    }
-    total_heads += slot.head_count;
-  }
-  const kernels::ScoreMatrix& first = views_.front();
+  for (const Slot& slot : slots_) total_heads += slot.head_count;
+  const Slot& any = *std::find_if(slots_.begin(), slots_.end(),
+                                  [](const Slot& slot) { return slot.on_device; });
+  const int64_t layers = any.view.layers, tokens = any.view.tokens;
   void* joined = device_joined_;
-  RETURN_IF_ERROR(EnsureDeviceBuffer(
-      static_cast<size_t>(first.layers * first.tokens) * sizeof(float), &joined,
-      &device_joined_bytes_));
+  RETURN_IF_ERROR(EnsureDeviceBuffer(static_cast<size_t>(layers * tokens) * sizeof(float),
+                                     &joined, &device_joined_bytes_));
   device_joined_ = static_cast<float*>(joined);
+  const kernels::ScoreMatrix result = kernels::ScoreMatrix::Dense(
+      device_joined_, kernels::ScoreDtype::kFloat32, layers, tokens);
+
+  if (cross_device_ != nullptr && OnePerRankDevice()) {
+    // Each rank's partial sums on a device of its own: the all-reduce across them.
+    for (const Slot& slot : slots_) {
+      views_.push_back(slot.view);
+      devices_.push_back(slot.device);
+    }
+    RETURN_IF_ERROR(cross_device_->Join(views_, devices_, total_heads, device_, device_joined_));
+    return result;
+  }
+  for (Slot& slot : slots_) {
+    if (slot.on_device && slot.device == device_) {
+      views_.push_back(slot.view);
+      continue;
+    }
+    // Onto device_ first: a host report uploaded (the copy is done with the host bytes
+    // when it returns), another device's rows by peer copies; the join reads them on the
+    // same stream.
+    const size_t row_bytes =
+        static_cast<size_t>(slot.view.tokens) * kernels::ScoreDtypeSize(slot.view.dtype);
+    RETURN_IF_ERROR(EnsureDeviceBuffer(row_bytes * static_cast<size_t>(slot.view.layers),
+                                       &slot.device_copy, &slot.device_copy_bytes));
+    auto* dst = static_cast<std::byte*>(slot.device_copy);
+    if (!slot.on_device) {
+      RETURN_IF_ERROR(mem.copy(dst, slot.bytes.data(), slot.bytes.size(),
+                               kernels::CopyKind::kHostToBackend, stream_));
+    } else {
+      for (int64_t layer = 0; layer < slot.view.layers; ++layer) {
+        RETURN_IF_ERROR(mem.copy(dst + static_cast<size_t>(layer) * row_bytes,
+                                 slot.view.Row(layer), row_bytes,
+                                 kernels::CopyKind::kWithinBackend, stream_));
+      }
+    }
+    views_.push_back(kernels::ScoreMatrix::Dense(slot.device_copy, slot.view.dtype,
+                                                 slot.view.layers, slot.view.tokens));
+  }
   device_backend_->join_rank_partials(views_.data(), static_cast<int64_t>(views_.size()),
                                       total_heads, device_joined_, stream_);
-  return kernels::ScoreMatrix::Dense(device_joined_, kernels::ScoreDtype::kFloat32,
-                                     first.layers, first.tokens);
+  return result;
 }
 
 kernels::ScoreMatrix TensorParallelJoin::Join() {

@@ -14,8 +14,10 @@
 //     regions of a device engine) are referenced in place, kept alive by their pin, and
 //     validated and joined by the device backend on its stream, so that the joined scores
 //     stay on the device (JoinOnDevice) and no partial sum crosses to the host. Host
-//     reports of such a step are uploaded first.
-// Partial sums that sit on several GPUs are joined by kernels/cuda/nccl_communicator.h.
+//     reports of such a step are uploaded first. When the ranks' partial sums sit on
+//     different devices, one per rank (regions placed on each rank's GPU), the join is
+//     the CrossDeviceJoiner's all-reduce (NCCL on GPUs); other mixes are gathered onto
+//     the sequence's device by peer copies first.
 // Not thread-safe: SequenceTable guards it with the sequence's mutex.
 #ifndef KVCM_CACHE_MANAGER_TENSOR_PARALLEL_JOIN_H_
 #define KVCM_CACHE_MANAGER_TENSOR_PARALLEL_JOIN_H_
@@ -23,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -49,6 +52,32 @@ struct RankReport {
   // With in_backend: keeps the memory behind partial_sums alive while the step waits for
   // its other ranks (a score region's mapping; may be null when the caller guarantees it).
   std::shared_ptr<const void> pin;
+  // With in_backend: the device the partial sums are on (-1: the sequence's own).
+  int device = -1;
+};
+
+// Joins partial sums that sit on several devices, one per rank: the tensor-parallel
+// all-reduce (cache_manager/nccl_cross_device_join.h on GPUs; CpuCrossDeviceJoiner for
+// the emulated device). Thread-safe.
+class CrossDeviceJoiner {
+ public:
+  virtual ~CrossDeviceJoiner() = default;
+  // out = (sum over ranks r, in rank order, of partials[r] widened to double) /
+  // total_heads, as float32 [layers, tokens] dense on `out_device`. partials[r] lies in
+  // device memory on devices[r]; they were written before the call. Returns once `out`
+  // is complete. REQUIRES: devices distinct and out_device among them, every partial of
+  // the same layers and tokens, total_heads >= 1. Errors: INTERNAL, DEADLINE_EXCEEDED.
+  virtual absl::Status Join(std::span<const kernels::ScoreMatrix> partials,
+                            std::span<const int> devices, int64_t total_heads, int out_device,
+                            float* out) = 0;
+};
+
+// The emulated devices' joiner: their memory is the host's, so the CPU twins of the NCCL
+// join (WidenPartialSums, the sum in rank order, ScaleJoinedSums) run there.
+class CpuCrossDeviceJoiner final : public CrossDeviceJoiner {
+ public:
+  absl::Status Join(std::span<const kernels::ScoreMatrix> partials, std::span<const int> devices,
+                    int64_t total_heads, int out_device, float* out) override;
 };
 
 // What the step being joined expects of every report.
@@ -64,10 +93,12 @@ class TensorParallelJoin {
   // REQUIRES: world_size >= 1, backend.memory == kHost. `device_backend` (may be null):
   // the device backend (memory kDevice) of the sequence, on `device`, whose memory
   // in_backend reports are in; without it in_backend reports are host memory.
+  // `cross_device` (may be null: such steps are gathered onto `device` first) joins
+  // partial sums on one device per rank.
   explicit TensorParallelJoin(int32_t world_size,
                               const kernels::KernelBackend& backend = kernels::CpuBackend(),
                               const kernels::KernelBackend* device_backend = nullptr,
-                              int device = 0);
+                              int device = 0, CrossDeviceJoiner* cross_device = nullptr);
   ~TensorParallelJoin();
   TensorParallelJoin(const TensorParallelJoin&) = delete;
   TensorParallelJoin& operator=(const TensorParallelJoin&) = delete;
@@ -105,24 +136,31 @@ class TensorParallelJoin {
     int64_t head_count = 0;
     std::vector<std::byte> bytes;
     bool on_device = false;             // view is the report's own device memory
+    int device = 0;                     // ... on this device
     std::shared_ptr<const void> pin;    // ... kept alive by this
-    void* device_copy = nullptr;        // a host report uploaded for JoinOnDevice
-    size_t device_copy_bytes = 0;
+    void* device_copy = nullptr;        // on device_: a host report uploaded, or another
+    size_t device_copy_bytes = 0;       // device's rows gathered, for JoinOnDevice
   };
 
-  // The device's count of invalid elements of `p` (device memory); INTERNAL on failure.
-  absl::StatusOr<int64_t> CountInvalidOnDevice(const kernels::ScoreMatrix& p);
-  // The first invalid element of `p` (device memory), for the message.
-  kernels::InvalidScore FindInvalidOnDevice(const kernels::ScoreMatrix& p);
+  // The count of invalid elements of `p` (memory of `device`); INTERNAL on failure.
+  absl::StatusOr<int64_t> CountInvalidOnDevice(const kernels::ScoreMatrix& p, int device);
+  // The first invalid element of `p` (memory of `device`), for the message.
+  kernels::InvalidScore FindInvalidOnDevice(const kernels::ScoreMatrix& p, int device);
+  // Allocates on the current device.
   absl::Status EnsureDeviceBuffer(size_t bytes, void** buffer, size_t* capacity);
+  // Whether the step's partial sums sit one per rank on distinct devices, device_ among
+  // them: the cross-device joiner's case.
+  bool OnePerRankDevice() const;
 
   const int32_t world_size_;
   const kernels::KernelBackend* const backend_;
   const kernels::KernelBackend* const device_backend_;
   const int device_;
+  CrossDeviceJoiner* const cross_device_;
   bool any_on_device_ = false;
+  std::vector<int> devices_;  // reused by JoinOnDevice
   kernels::StreamHandle stream_ = nullptr;  // the device backend's stream of device_
-  int64_t* device_invalid_ = nullptr;       // [1] device
+  std::vector<int64_t*> device_invalid_;   // [1] on each device, by device number
   int64_t* staged_invalid_ = nullptr;       // [1] host staging
   float* device_joined_ = nullptr;
   size_t device_joined_bytes_ = 0;

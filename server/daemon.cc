@@ -23,6 +23,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
+#ifdef KVCM_HAS_NCCL
+#include "cache_manager/nccl_cross_device_join.h"
+#endif
 #ifdef KVCM_HAS_CUDA
 #include "cache_manager/cuda_block_pool.h"
 #include "kernels/cuda/cuda_adapter.h"
@@ -89,20 +92,32 @@ bool IsCudaEngine(const kernels::KernelBackend* engine) {
 #endif
 }
 
+// The join of tensor-parallel partial sums that sit one per rank on distinct devices
+// (score regions created with a rank): NCCL for a CUDA engine (built with NCCL), the CPU
+// twins for the emulated device, none otherwise (the CPU engine's regions are host
+// memory; a CUDA build without NCCL gathers such steps onto the engine's GPU).
+std::unique_ptr<CrossDeviceJoiner> CrossDeviceJoinerFor(const kernels::KernelBackend* engine) {
+  if (engine == &kernels::EmulatedDeviceBackend()) return std::make_unique<CpuCrossDeviceJoiner>();
+#ifdef KVCM_HAS_NCCL
+  if (IsCudaEngine(engine)) return std::make_unique<NcclCrossDeviceJoiner>();
+#endif
+  return nullptr;
+}
+
 // The memory of the score regions kvcached creates: on the engine's GPU for a CUDA
 // engine (exported by IPC handle), else a POSIX shared-memory object (the emulated
 // device's "device memory" is host memory too).
 ScoreRegionAllocator ScoreRegionAllocatorFor(const kernels::KernelBackend* engine, int device) {
 #ifdef KVCM_HAS_CUDA
   if (IsCudaEngine(engine)) {
-    return [device](int64_t bytes, const std::string& /*shm_name*/) {
-      return NewCudaKvStorage(bytes, device);
+    return [device](int64_t bytes, const std::string& /*shm_name*/, int on_device) {
+      return NewCudaKvStorage(bytes, on_device >= 0 ? on_device : device);
     };
   }
 #endif
   (void)engine;
   (void)device;
-  return [](int64_t bytes, const std::string& shm_name) {
+  return [](int64_t bytes, const std::string& shm_name, int /*on_device*/) {
     HostStorageOptions host;
     host.shm_name = shm_name;
     return NewHostKvStorage(bytes, host);
@@ -348,6 +363,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   table_options.diagnostics = {options.diagnostics_every, options.diagnostics_sample};
   ASSIGN_OR_RETURN(table_options.engine_backend, EngineKernels(options));
   table_options.engine_device = options.engine_device;
+  d->cross_device_joiner_ = CrossDeviceJoinerFor(table_options.engine_backend);
+  table_options.cross_device_joiner = d->cross_device_joiner_.get();
   if (table_options.engine_backend != nullptr) d->engine_name_ = table_options.engine_backend->name;
   d->table_ = std::make_unique<SequenceTable>(table_options);
   if (snapshot.has_value()) {
@@ -387,6 +404,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
     regions.created_in_backend = device_engine;
     regions.created_name_prefix = absl::StrCat("/kvcached-", getpid(), "-scores");
     regions.allocate = ScoreRegionAllocatorFor(engine, options.engine_device);
+    regions.max_rank = options.max_tp_world_size;
     d->regions_ = std::make_unique<ScoreRegions>(regions);
   }
   d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());

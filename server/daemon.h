@@ -85,6 +85,7 @@ class Daemon {
   std::shared_ptr<PoolGauges> pool_gauges_;
   std::unique_ptr<KvEventLog> kv_events_;  // before table_: its slots append to it
   std::shared_ptr<KvEventGauges> kv_event_gauges_;
+  std::unique_ptr<CrossDeviceJoiner> cross_device_joiner_;  // before table_: its slots use it
   std::unique_ptr<SequenceTable> table_;
   std::unique_ptr<StepExecutor> executor_;
   // The bytes of created score regions (a child of the table's memory budget for host

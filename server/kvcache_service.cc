@@ -306,7 +306,8 @@ grpc::ServerUnaryReactor* KvCacheService::CreateScoreRegion(grpc::CallbackServer
       [this](const v1::CreateScoreRegionRequest& request, const std::string& tenant,
              v1::CreateScoreRegionResponse* response) {
         RETURN_IF_ERROR(RegionsAllowed());
-        absl::StatusOr<CreatedScoreRegion> region = regions_->Create(tenant, request.byte_size());
+        absl::StatusOr<CreatedScoreRegion> region = regions_->Create(
+            tenant, request.byte_size(), request.has_rank() ? request.rank() : -1);
         if (!region.ok()) return region.status();
         ToProto(*region, response);
         return absl::OkStatus();

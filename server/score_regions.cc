@@ -23,10 +23,11 @@ struct ScoreRegions::Mapping {
   // A created region: `storage` is ours; `fd_in` (host storage only, else -1) a read-only
   // descriptor of its object for the size check; `budget_in` had its bytes taken.
   Mapping(std::string tenant_in, std::unique_ptr<KvStorage> storage_in, int fd_in,
-          bool in_backend_in, ByteBudget* budget_in)
+          bool in_backend_in, int device_in, ByteBudget* budget_in)
       : tenant(std::move(tenant_in)), name(storage_in->memory_export().shm_name), fd(fd_in),
         base(storage_in->data()), size(static_cast<size_t>(storage_in->bytes())),
-        in_backend(in_backend_in), storage(std::move(storage_in)), budget(budget_in) {}
+        in_backend(in_backend_in), device(device_in), storage(std::move(storage_in)),
+        budget(budget_in) {}
   ~Mapping() {
     if (storage == nullptr) {
       munmap(base, size);
@@ -42,6 +43,7 @@ struct ScoreRegions::Mapping {
   void* const base;
   const size_t size;
   const bool in_backend = false;
+  const int device = -1;
   std::unique_ptr<KvStorage> storage;  // created regions
   ByteBudget* const budget = nullptr;
   mutable std::atomic<int64_t> last_used_ns{0};
@@ -131,7 +133,7 @@ absl::StatusOr<uint64_t> ScoreRegions::Insert(std::shared_ptr<Mapping> mapping,
 }
 
 absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant,
-                                                        uint64_t byte_size) {
+                                                        uint64_t byte_size, int32_t rank) {
   if (!options_.allocate) {
     return absl::FailedPreconditionError(
         "this kvcached creates no score regions (it runs without --allow_shm_scores)");
@@ -141,6 +143,13 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
                                                    "; it must be 1 to ",
                                                    options_.max_region_bytes));
   }
+  if (rank < -1 || rank >= options_.max_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CreateScoreRegion: rank is ", rank, "; it must be 0 to ", options_.max_rank - 1,
+        " (--max_tp_world_size), or unset for the engine's device"));
+  }
+  // Host memory has no devices: a rank there places nothing.
+  const int device = options_.created_in_backend ? rank : -1;
   const int64_t bytes = static_cast<int64_t>(byte_size);
   RETURN_IF_ERROR(CheckRoom(absl::StrCat("CreateScoreRegion of ", bytes, " bytes")));
   ByteBudget* const budget = options_.created_budget;
@@ -151,7 +160,7 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
   }
   const std::string shm_name = absl::StrCat(
       options_.created_name_prefix, created_names_.fetch_add(1, std::memory_order_relaxed));
-  absl::StatusOr<std::unique_ptr<KvStorage>> storage = options_.allocate(bytes, shm_name);
+  absl::StatusOr<std::unique_ptr<KvStorage>> storage = options_.allocate(bytes, shm_name, device);
   if (!storage.ok()) {
     if (budget != nullptr) budget->Give(bytes);
     return absl::Status(storage.status().code(),
@@ -175,7 +184,7 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
   // Built before the Mapping takes the storage: from then on the mapping gives the bytes
   // back to the budget when it goes.
   auto mapping = std::make_shared<Mapping>(std::string(tenant), *std::move(storage), fd,
-                                           options_.created_in_backend, budget);
+                                           options_.created_in_backend, device, budget);
   mapping->last_used_ns.store(NowNanos(), std::memory_order_relaxed);
   ASSIGN_OR_RETURN(created.region, Insert(std::move(mapping), "CreateScoreRegion"));
   return created;
@@ -228,6 +237,7 @@ absl::StatusOr<ScoreRegions::View> ScoreRegions::Resolve(absl::string_view tenan
   view.data = static_cast<const std::byte*>(mapping->base) + range.offset;
   view.size = static_cast<size_t>(range.byte_size);
   view.in_backend = mapping->in_backend;
+  view.device = mapping->device;
   view.pin = std::move(mapping);
   return view;
 }

@@ -35,11 +35,12 @@
 
 namespace kvcm::server {
 
-// How the daemon makes the memory of a created region: `bytes` of zero-filled storage;
-// host storage must be the POSIX shared-memory object `shm_name` (a worker maps it by
-// name). Errors as NewHostKvStorage's or NewCudaKvStorage's.
+// How the daemon makes the memory of a created region: `bytes` of zero-filled storage on
+// `device` (-1: the engine's; device memory only); host storage must be the POSIX
+// shared-memory object `shm_name` (a worker maps it by name). Errors as
+// NewHostKvStorage's or NewCudaKvStorage's.
 using ScoreRegionAllocator = std::function<absl::StatusOr<std::unique_ptr<KvStorage>>(
-    int64_t bytes, const std::string& shm_name)>;
+    int64_t bytes, const std::string& shm_name, int device)>;
 
 struct ScoreRegionsOptions {
   int64_t max_regions = 256;                   // registered and created at once, all tenants
@@ -50,6 +51,8 @@ struct ScoreRegionsOptions {
   // per-region one), which the caller keeps alive.
   ScoreRegionAllocator allocate;
   bool created_in_backend = false;
+  // Ranks a created region may be placed on (CreateScoreRegionRequest.rank): [0, this).
+  int32_t max_rank = 0;
   ByteBudget* created_budget = nullptr;
   // Created regions' shared-memory names: this prefix, then a counter.
   std::string created_name_prefix = "/kvcm-scores-";
@@ -87,7 +90,10 @@ class ScoreRegions {
   // FAILED_PRECONDITION when this daemon creates no regions; RESOURCE_EXHAUSTED past
   // max_regions or the created budget (saying what is used and left), or when the memory
   // cannot be had; INTERNAL for other failures of the allocator.
-  absl::StatusOr<CreatedScoreRegion> Create(absl::string_view tenant, uint64_t byte_size);
+  // `rank` >= 0 (device engines): on that rank's device instead of the engine's
+  // (INVALID_ARGUMENT past max_rank).
+  absl::StatusOr<CreatedScoreRegion> Create(absl::string_view tenant, uint64_t byte_size,
+                                            int32_t rank = -1);
 
   // NOT_FOUND when `tenant` has no such region. Readers holding a View keep the mapping
   // (a created region: its memory) until they are done.
@@ -103,6 +109,7 @@ class ScoreRegions {
     // The bytes are the engine backend's memory (a created region of a device engine):
     // read them there, never on the host.
     bool in_backend = false;
+    int device = -1;  // with in_backend: the device (-1: the engine's)
   };
   absl::StatusOr<View> Resolve(absl::string_view tenant, const ScoreRange& range) const;
 

@@ -204,7 +204,10 @@ void StepBatchProcessor::Submit(PendingBatch& b, int32_t index, int32_t shard) {
   rank_report.head_count = report.head_count();
   rank_report.in_backend = region.in_backend;
   // A tensor-parallel step keeps the region's rows referenced until its last rank reports.
-  if (region.in_backend) rank_report.pin = region.pin;
+  if (region.in_backend) {
+    rank_report.pin = region.pin;
+    rank_report.device = region.device;
+  }
   absl::Status status = table_->SubmitRankReport(id, rank_report, DecisionWaiter{&b, index},
                                                  b.tenant_);
   if (!status.ok()) b.Fail(index, status);

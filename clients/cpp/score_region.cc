@@ -52,7 +52,8 @@ absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::Create(KvCacheClient& 
 }
 
 absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::CreateInDaemon(KvCacheClient& client,
-                                                                         int64_t byte_size) {
+                                                                         int64_t byte_size,
+                                                                         int32_t rank) {
   if (byte_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("score region size ", byte_size, " <= 0"));
   }
@@ -60,6 +61,7 @@ absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::CreateInDaemon(KvCache
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::CreateScoreRegionRequest request;
   request.set_byte_size(static_cast<uint64_t>(byte_size));
+  if (rank >= 0) request.set_rank(rank);
   v1::CreateScoreRegionResponse response;
   absl::Status created = FromGrpc(client.stub().CreateScoreRegion(&context, request, &response));
   if (!created.ok()) return created;

@@ -37,8 +37,11 @@ class ScoreRegion {
   // and the daemon frees it. FAILED_PRECONDITION when the daemon does not allow score
   // regions, or when it made the region in device memory (a CUDA engine), which a worker
   // maps with cudaIpcOpenMemHandle (CreateScoreRegionResponse), not with this class.
+  // `rank` >= 0: placed on that tensor-parallel rank's device (CreateScoreRegionRequest;
+  // a host daemon ignores it).
   static absl::StatusOr<std::unique_ptr<ScoreRegion>> CreateInDaemon(KvCacheClient& client,
-                                                                     int64_t byte_size);
+                                                                     int64_t byte_size,
+                                                                     int32_t rank = -1);
   ~ScoreRegion();
 
   ScoreRegion(const ScoreRegion&) = delete;

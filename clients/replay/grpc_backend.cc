@@ -187,9 +187,14 @@ class GrpcBackend : public ReplayBackend {
       const int64_t size =
           std::max(need, region == nullptr ? kMinRegionBytes : 2 * region->size());
       region.reset();
-      ASSIGN_OR_RETURN(region, transport_ == ScoreTransport::kCreated
-                                   ? client::ScoreRegion::CreateInDaemon(*client_, size)
-                                   : client::ScoreRegion::Create(*client_, size));
+      // kCreatedPerRank: only tensor-parallel steps may sit on another device than the
+      // sequence's.
+      const int32_t placed = transport_ == ScoreTransport::kCreatedPerRank && streams_.size() > 1
+                                 ? rank
+                                 : -1;
+      ASSIGN_OR_RETURN(region, transport_ == ScoreTransport::kShm
+                                   ? client::ScoreRegion::Create(*client_, size)
+                                   : client::ScoreRegion::CreateInDaemon(*client_, size, placed));
     }
     return region->Put(report, /*offset=*/0, packed, layers, kernels::ScoreDtype::kFloat32,
                        head_count);

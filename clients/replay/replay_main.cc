@@ -51,8 +51,9 @@ ABSL_FLAG(std::string, server, "",
 ABSL_FLAG(std::string, transport, "grpc",
           "with --server, how the scores travel: grpc (inline in each report), shm (in a "
           "shared-memory score region per rank stream that the reports reference; kvcached "
-          "must run on this node with --allow_shm_scores) or created (the same in a region "
-          "kvcached creates, CreateScoreRegion; not with --engine_backend=cuda)");
+          "must run on this node with --allow_shm_scores), created (the same in a region "
+          "kvcached creates, CreateScoreRegion; not with --engine_backend=cuda) or "
+          "created_per_rank (each rank's region on that rank's device)");
 ABSL_FLAG(std::string, device, "cpu",
           "where the embedded engine keeps and steps the sequence: cpu, cuda (momentum and "
           "positions on GPU --gpu, every step's kernels there; builds with CUDA only), or "
@@ -112,7 +113,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "replays a kvtrace/1 file through the eviction engine.\n"
       "  kvcache-replay --trace FILE [--out FILE] [--momentum] [--tp N] [--summary] [--folded]\n"
-      "  kvcache-replay --trace FILE --server ADDR [--transport grpc|shm|created] [--tp N] [--folded]\n"
+      "  kvcache-replay --trace FILE --server ADDR [--transport grpc|shm|created|created_per_rank] [--tp N] [--folded]\n"
       "  kvcache-replay --trace FILE --device cuda [--gpu N]\n"
       "  kvcache-replay --trace FILE --compare inertia,inertia_lazy4,score_free,tova");
   absl::ParseCommandLine(argc, argv);

@@ -225,6 +225,66 @@ TEST(TensorParallelJoinTest, ReportsInDeviceMemoryJoinOnTheDeviceExactlyAsOnTheH
   }
 }
 
+// The CPU twins of the NCCL join, counting its calls.
+class CountingJoiner final : public CrossDeviceJoiner {
+ public:
+  absl::Status Join(std::span<const kernels::ScoreMatrix> partials, std::span<const int> devices,
+                    int64_t total_heads, int out_device, float* out) override {
+    ++calls;
+    last_devices.assign(devices.begin(), devices.end());
+    return cpu.Join(partials, devices, total_heads, out_device, out);
+  }
+  int calls = 0;
+  std::vector<int> last_devices;
+  CpuCrossDeviceJoiner cpu;
+};
+
+// Partial sums one per rank on distinct devices (regions placed on each rank's device)
+// go to the cross-device joiner, the NCCL all-reduce on GPUs; any other mix is gathered
+// onto the sequence's device and joined there. Every way gives the host join's bits.
+TEST(TensorParallelJoinTest, PartialSumsOnOneDevicePerRankAreJoinedAcrossTheDevices) {
+  const kernels::KernelBackend& device = kernels::EmulatedDeviceBackend();
+  constexpr int64_t kLayers = 2, kTokens = 29;
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<float> u(0.0f, 3.0f);
+  std::vector<std::vector<float>> sums(3, std::vector<float>(kLayers * kTokens));
+  for (auto& rank : sums) {
+    for (float& x : rank) x = u(rng);
+  }
+  TensorParallelJoin host(3);
+  for (int32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(host.Add(Report(r, 1, sums[r], kLayers, 1 + r), Expect(1, kTokens, true)).ok());
+  }
+  const kernels::ScoreMatrix want_matrix = host.Join();
+  const float* w = static_cast<const float*>(want_matrix.data);
+  const std::vector<float> want(w, w + kLayers * kTokens);
+
+  struct Case {
+    std::vector<int> devices;  // -2: a host report
+    bool across;               // whether the cross-device joiner runs
+  };
+  for (const Case& c : {Case{{0, 1, 2}, true}, Case{{2, 0, 1}, true}, Case{{0, 1, -2}, false},
+                        Case{{1, 1, 0}, false}, Case{{1, 2, 3}, false}, Case{{0, 0, 0}, false}}) {
+    SCOPED_TRACE(::testing::PrintToString(c.devices));
+    CountingJoiner joiner;
+    TensorParallelJoin join(3, kernels::CpuBackend(), &device, 0, &joiner);
+    for (int32_t r = 0; r < 3; ++r) {
+      RankReport report = Report(r, 1, sums[r], kLayers, 1 + r);
+      report.in_backend = c.devices[static_cast<size_t>(r)] != -2;
+      report.device = c.devices[static_cast<size_t>(r)];
+      ASSERT_TRUE(join.Add(report, Expect(1, kTokens, true)).ok());
+    }
+    absl::StatusOr<kernels::ScoreMatrix> joined = join.JoinOnDevice();
+    ASSERT_TRUE(joined.ok()) << joined.status();
+    const float* v = static_cast<const float*>(joined->data);
+    EXPECT_EQ(std::vector<float>(v, v + kLayers * kTokens), want);
+    EXPECT_EQ(joiner.calls, c.across ? 1 : 0);
+    if (c.across) {
+      EXPECT_EQ(joiner.last_devices, c.devices);
+    }
+  }
+}
+
 TEST(TensorParallelJoinTest, AnInvalidPartialSumInDeviceMemoryIsRefusedByName) {
   const kernels::KernelBackend& device = kernels::EmulatedDeviceBackend();
   TensorParallelJoin join(2, kernels::CpuBackend(), &device, 0);

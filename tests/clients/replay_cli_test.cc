@@ -314,7 +314,7 @@ TEST_F(ReplayCliTest, TransportMustBeGrpcOrShmAndShmNeedsAServer) {
 
 TEST_F(ReplayCliTest, HelpNamesTheTransports) {
   const Result r = Run("--help=transport");
-  EXPECT_THAT(r.out + r.err, HasSubstr("--server ADDR [--transport grpc|shm]"));
+  EXPECT_THAT(r.out + r.err, HasSubstr("--server ADDR [--transport grpc|shm|created|created_per_rank]"));
   EXPECT_THAT(r.out + r.err, HasSubstr("--allow_shm_scores"));
   EXPECT_THAT(r.out + r.err, HasSubstr("default: \"grpc\""));
 }

@@ -242,6 +242,10 @@ def library_packages(binary, f):
         if "not found" in line:
             f.fail(f"{binary}: {line.strip()}")
         m = re.search(r"=>\s+(/\S+)", line)
+        # The CUDA toolkit's own (NCCL, which kvcached links when the build found it): the
+        # host image builds without CUDA, and the CUDA image's runtime carries them.
+        if m and re.match(r"lib(nccl|cuda|cudart|nv)", pathlib.Path(m.group(1)).name):
+            continue
         if m:
             # dpkg may list the file under /lib or /usr/lib (merged /usr): match the last
             # directory and the file name of the resolved path.

@@ -9,11 +9,15 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "cache_manager/nccl_cross_device_join.h"
 #include "cache_manager/sequence_table.h"
+#include "cache_manager/tensor_parallel_join.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/half_float.h"
 #include "kernels/momentum_update.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -180,6 +184,57 @@ TEST_P(NcclJoinTest, ASequenceSteppedWithTheGpuJoinDecidesLikeTheHostJoin) {
           return testing::StepWithScores(table, "gpu", step, rows, scores, d);
         });
     testing::ExpectSameDecisions(got, testing::ReferenceDecisions(preset, kSteps, kSeed));
+  }
+}
+
+// The daemon's join of partial sums that sit one per rank on distinct GPUs (score regions
+// created with a rank): TensorParallelJoin hands them to NcclCrossDeviceJoiner, whose
+// result on the sequence's GPU (rank 0's) is the host join's, bit for bit; a second join
+// reuses the clique.
+TEST_P(NcclJoinTest, TheDaemonsJoinAcrossGpusEqualsTheHostJoin) {
+  std::mt19937_64 rng(37);
+  NcclCrossDeviceJoiner joiner(absl::Seconds(60));
+  for (int64_t tokens : {5, 6401}) {
+    SCOPED_TRACE("tokens " + std::to_string(tokens));
+    const HeadRows rows =
+        testing::RandomHeadRows(rng, testing::kTotalHeads, testing::kJoinLayers, tokens);
+    const int64_t heads_per_rank = testing::kTotalHeads / ranks();
+    TensorParallelJoin on_host(ranks());
+    TensorParallelJoin on_gpus(ranks(), kernels::CpuBackend(), &kernels::cuda::CudaBackend(), 0,
+                               &joiner);
+    const JoinExpectation expect{"tp", 1, tokens, true};
+    std::vector<std::vector<float>> sums;
+    std::vector<std::unique_ptr<DeviceArray<float>>> on_device;
+    for (int32_t r = 0; r < ranks(); ++r) {
+      sums.push_back(testing::PartialSums(rows, r * heads_per_rank, heads_per_rank));
+      ScopedDevice on(r);
+      on_device.push_back(std::make_unique<DeviceArray<float>>(sums.back()));
+    }
+    KVCM_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int32_t r = ranks() - 1; r >= 0; --r) {
+      RankReport report;
+      report.rank = r;
+      report.step = 1;
+      report.head_count = heads_per_rank;
+      report.partial_sums = ScoreMatrix::Dense(sums[static_cast<size_t>(r)].data(),
+                                               ScoreDtype::kFloat32, rows.layers, tokens);
+      ASSERT_TRUE(on_host.Add(report, expect).ok());
+      report.partial_sums.data = on_device[static_cast<size_t>(r)]->get();
+      report.in_backend = true;
+      report.device = r;
+      const absl::Status added = on_gpus.Add(report, expect);
+      ASSERT_TRUE(added.ok()) << added;
+    }
+    const ScoreMatrix want = on_host.Join();
+    absl::StatusOr<ScoreMatrix> joined = on_gpus.JoinOnDevice();
+    ASSERT_TRUE(joined.ok()) << joined.status();
+    ScopedDevice on(0);
+    KVCM_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<float> got(static_cast<size_t>(rows.layers * tokens));
+    KVCM_ASSERT_CUDA(cudaMemcpy(got.data(), joined->data, got.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost));
+    const float* w = static_cast<const float*>(want.data);
+    EXPECT_EQ(got, std::vector<float>(w, w + got.size()));
   }
 }
 

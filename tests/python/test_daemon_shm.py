@@ -158,3 +158,12 @@ def test_created_regions_have_a_byte_limit(start_daemon):
         assert "--max_created_score_region_bytes" in caught.value.message
         c.unregister_score_region(first.region)
         c.unregister_score_region(c.create_score_region(8192).region)
+
+
+def test_a_region_rank_outside_the_world_is_refused(shm_client):
+    with pytest.raises(KvCacheError) as caught:
+        shm_client.create_score_region(4096, rank=10_000)
+    assert caught.value.code == INVALID and "rank is 10000" in caught.value.message
+    placed = shm_client.create_score_region(4096, rank=1)  # a host daemon: ignored
+    assert placed.backend == "host"
+    shm_client.unregister_score_region(placed.region)

@@ -88,8 +88,8 @@ testing::DaemonProcess* GoldenThroughDaemonTest::daemon_ = nullptr;
 TEST_P(GoldenThroughDaemonTest, MatchesExactlyOverEveryTransportAloneAndAcrossRanks) {
   const std::string want = Want(GetParam());
   double grpc_bytes = 0;  // what the grpc runs sent inline; the region runs must send as much
-  for (ScoreTransport transport :
-       {ScoreTransport::kGrpc, ScoreTransport::kShm, ScoreTransport::kCreated}) {
+  for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm,
+                                   ScoreTransport::kCreated, ScoreTransport::kCreatedPerRank}) {
     const double inline_before = ScoreBytes(ScoreTransport::kGrpc);
     const double shm_before = ScoreBytes(ScoreTransport::kShm);
     for (int32_t tp : {1, 2, 4}) {
@@ -171,8 +171,11 @@ TEST(GoldenDeviceEngineTest, TheDevicePathDecidesLikeTheCpuEngine) {
         ASSERT_TRUE(want.ok()) << want.status();
         // kCreated: the daemon's regions are the emulated device's memory, which the
         // engine reads in place (ScoreSpace::kBackend), as a CUDA engine its GPU regions.
-        for (ScoreTransport transport :
-             {ScoreTransport::kGrpc, ScoreTransport::kShm, ScoreTransport::kCreated}) {
+        // kCreatedPerRank: each rank's region on a device of its own, the partial sums
+        // joined across the devices (the CPU twins of the NCCL join).
+        for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kShm,
+                                         ScoreTransport::kCreated,
+                                         ScoreTransport::kCreatedPerRank}) {
           r.sequence_id = absl::StrCat(golden, "-device-tp", tp, folded ? "-folded-" : "-",
                                        replay::ScoreTransportName(transport));
           absl::StatusOr<std::string> got =

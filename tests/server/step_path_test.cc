@@ -535,6 +535,38 @@ TEST_F(StepPathTest, APendingTensorParallelStepHoldsItsCreatedRegionUntilItIsDec
             std::vector<float>(y->momentum().begin(), y->momentum().end()));
 }
 
+// CreateScoreRegion's rank places a device engine's region on that rank's device: a rank
+// outside the tensor-parallel world is refused, and a single-rank sequence, which decides
+// on the engine's device, refuses scores that sit on another one (a tensor-parallel step's
+// across devices is GoldenDeviceEngineTest's created_per_rank transport).
+TEST_F(StepPathTest, ARegionsRankMustBeInTheWorldAndServesTensorParallelSteps) {
+  StartDaemon({"--engine_backend=emulated", "--allow_shm_scores", "--max_tp_world_size=4"});
+  for (int32_t rank : {4, -7}) {
+    grpc::ClientContext context;
+    v1::CreateScoreRegionRequest request;
+    request.set_byte_size(4096);
+    request.set_rank(rank);
+    v1::CreateScoreRegionResponse response;
+    const absl::Status refused =
+        client::FromGrpc(client_->stub().CreateScoreRegion(&context, request, &response));
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << rank;
+    EXPECT_THAT(refused.message(), HasSubstr(absl::StrCat("rank is ", rank)));
+    EXPECT_THAT(refused.message(), HasSubstr("--max_tp_world_size"));
+  }
+  absl::StatusOr<std::unique_ptr<client::ScoreRegion>> on_rank1 =
+      client::ScoreRegion::CreateInDaemon(*client_, 1 << 16, /*rank=*/1);
+  ASSERT_TRUE(on_rank1.ok()) << on_rank1.status();
+  Open("single", 20, "inertia");
+  v1::StepBatch batch;
+  ASSERT_TRUE((*on_rank1)->Put(client::AddReport(&batch, "single", 1), 0, Bytes(Scores(2, 21, 1)),
+                               2, kernels::ScoreDtype::kFloat32).ok());
+  const v1::DecisionBatch reply = StepOnce(batch);
+  EXPECT_EQ(reply.decisions(0).code(), kInvalidArgument);
+  EXPECT_THAT(reply.decisions(0).message(), HasSubstr("on device 1"));
+  EXPECT_THAT(reply.decisions(0).message(), HasSubstr("created without a rank"));
+  EXPECT_EQ(Inspect("single").last_step(), 0);
+}
+
 TEST_F(StepPathTest, WithoutAllowShmScoresRegionsAndReferencesAreRefused) {
   StartDaemon({});
   ShmObject object(4096, 0600);

@@ -192,14 +192,19 @@ class KvCacheClient:
             f"RegisterScoreRegion({name!r}, {byte_size} bytes)")
         return response.region
 
-    def create_score_region(self, byte_size: int) -> CreatedScoreRegion:
+    def create_score_region(self, byte_size: int, *,
+                            rank: Optional[int] = None) -> CreatedScoreRegion:
         """CreateScoreRegion: the daemon allocates ``byte_size`` bytes where its engine
         decides (its own shared memory, or device memory on its GPU with
-        --engine_backend=cuda) and says how to map them. Free it with
-        :meth:`unregister_score_region`. Raises KvCacheError FAILED_PRECONDITION (no
-        --allow_shm_scores), INVALID_ARGUMENT (size), RESOURCE_EXHAUSTED (its limits)."""
-        response = self._call(self._stub.CreateScoreRegion,
-                              pb.CreateScoreRegionRequest(byte_size=byte_size),
+        --engine_backend=cuda) and says how to map them. ``rank``: on a GPU engine, place
+        it on that tensor-parallel rank's GPU instead (its partial sums are then joined
+        across the GPUs with NCCL). Free it with :meth:`unregister_score_region`. Raises
+        KvCacheError FAILED_PRECONDITION (no --allow_shm_scores), INVALID_ARGUMENT (size,
+        rank), RESOURCE_EXHAUSTED (its limits)."""
+        request = pb.CreateScoreRegionRequest(byte_size=byte_size)
+        if rank is not None:
+            request.rank = rank
+        response = self._call(self._stub.CreateScoreRegion, request,
                               f"CreateScoreRegion({byte_size} bytes)")
         return CreatedScoreRegion.from_proto(response)
 
