@@ -421,20 +421,12 @@ kernels::ScoreMatrix MomentumState::HostView(const kernels::ScoreMatrix& scores,
                                              ScoreSpace space,
                                              std::vector<std::byte>* buffer) const {
   if (device_ == nullptr || space == ScoreSpace::kHost) return scores;
-  const size_t row_bytes =
-      static_cast<size_t>(std::max<int64_t>(scores.tokens, 0)) * kernels::ScoreDtypeSize(scores.dtype);
-  buffer->resize(row_bytes * static_cast<size_t>(std::max<int64_t>(scores.layers, 0)));
   DeviceArrays& d = *device_;
   const kernels::BackendMemory& mem = backend_->mem;
   if (!Check(mem.set_device(d.device))) return kernels::ScoreMatrix{};
-  for (int64_t layer = 0; layer < scores.layers; ++layer) {
-    if (!Check(mem.copy(buffer->data() + static_cast<size_t>(layer) * row_bytes, scores.Row(layer),
-                        row_bytes, CopyKind::kBackendToHost, d.stream))) {
-      return kernels::ScoreMatrix{};
-    }
-  }
-  if (!Check(mem.synchronize(d.stream, "reading scores back"))) return kernels::ScoreMatrix{};
-  return kernels::ScoreMatrix::Dense(buffer->data(), scores.dtype, scores.layers, scores.tokens);
+  absl::StatusOr<kernels::ScoreMatrix> on_host = kernels::DownloadScores(mem, d.stream, scores, buffer);
+  if (!Check(on_host.status())) return kernels::ScoreMatrix{};
+  return *on_host;
 }
 
 int MomentumState::device() const { return device_ != nullptr ? device_->device : 0; }

@@ -56,6 +56,12 @@ SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_
   SettleBytesLocked();
 }
 
+bool SequenceSlot::InDeviceMemoryLocked(const RankReport& report) const {
+  // On a host backend "the backend's memory" is host memory.
+  return report.in_backend &&
+         sequence_->state().backend().memory != kernels::MemorySpace::kHost;
+}
+
 SequenceSlot::~SequenceSlot() {
   MutexLock lock(&mu_);
   ReleaseJoinBytesLocked();
@@ -179,9 +185,7 @@ absl::Status SequenceSlot::Submit(const RankReport& report, DecisionWaiter waite
         "sequence '", sequence_->id(), "' step ", report.step, ": rank ", report.rank,
         " reported for a sequence with a single rank"));
   }
-  const bool device_scores =
-      report.in_backend && sequence_->state().backend().memory != kernels::MemorySpace::kHost;
-  if (device_scores && report.device >= 0 && report.device != sequence_->state().device()) {
+  if (InDeviceMemoryLocked(report) && report.device >= 0 && report.device != sequence_->state().device()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence '", sequence_->id(), "' step ", report.step, ": its scores are on device ",
         report.device, " and the sequence decides on device ", sequence_->state().device(),
@@ -218,11 +222,10 @@ absl::Status SequenceSlot::SubmitToJoinLocked(const RankReport& report, Decision
                                sequence.policy().IsScoringStep(step)};
   const kernels::ScoreMatrix& p = report.partial_sums;
   // The bytes the join copies (a report in device memory is referenced, not copied).
-  const bool referenced = report.in_backend &&
-                          sequence.state().backend().memory != kernels::MemorySpace::kHost;
-  const int64_t bytes = expect.scoring_step && !referenced && p.layers > 0 && p.tokens > 0
-                            ? p.layers * p.tokens * static_cast<int64_t>(ScoreDtypeSize(p.dtype))
-                            : 0;
+  const bool copied =
+      expect.scoring_step && !InDeviceMemoryLocked(report) && p.layers > 0 && p.tokens > 0;
+  const int64_t bytes =
+      copied ? p.layers * p.tokens * static_cast<int64_t>(ScoreDtypeSize(p.dtype)) : 0;
   // Whether this report is a rank's first for the pending step: then its rejection
   // rejects the step on every rank. A stray report (another step, a rank that already
   // reported) is refused alone.

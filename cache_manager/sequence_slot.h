@@ -195,6 +195,8 @@ class SequenceSlot {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The bytes the engine state and the slot's decision buffers hold.
   int64_t HeldBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether `report`'s scores lie in the sequence's device memory (not the host's).
+  bool InDeviceMemoryLocked(const RankReport& report) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Makes the bytes charged to the memory budget what the slot holds.
   void SettleBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

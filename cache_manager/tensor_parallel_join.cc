@@ -56,12 +56,12 @@ absl::Status TensorParallelJoin::EnsureDeviceBuffer(size_t bytes, void** buffer,
 
 absl::StatusOr<int64_t> TensorParallelJoin::CountInvalidOnDevice(const kernels::ScoreMatrix& p,
                                                                  int device) {
+  if (device < 0) return absl::InvalidArgumentError(absl::StrCat("device ", device));
   const kernels::BackendMemory& mem = device_backend_->mem;
   RETURN_IF_ERROR(mem.set_device(device));
   kernels::StreamHandle stream = nullptr;
   RETURN_IF_ERROR(mem.device_stream(device, &stream));
   // A counter in each device's own memory (no peer access needed).
-  if (device < 0) return absl::InvalidArgumentError(absl::StrCat("device ", device));
   if (static_cast<size_t>(device) >= device_invalid_.size()) {
     device_invalid_.resize(static_cast<size_t>(device) + 1, nullptr);
   }
@@ -91,18 +91,9 @@ kernels::InvalidScore TensorParallelJoin::FindInvalidOnDevice(const kernels::Sco
   if (!mem.set_device(device).ok() || !mem.device_stream(device, &stream).ok()) {
     return kernels::InvalidScore{};
   }
-  const size_t row_bytes = static_cast<size_t>(p.tokens) * kernels::ScoreDtypeSize(p.dtype);
-  std::vector<std::byte> host(row_bytes * static_cast<size_t>(p.layers));
-  for (int64_t layer = 0; layer < p.layers; ++layer) {
-    if (!mem.copy(host.data() + static_cast<size_t>(layer) * row_bytes, p.Row(layer), row_bytes,
-                  kernels::CopyKind::kBackendToHost, stream)
-             .ok()) {
-      return kernels::InvalidScore{};
-    }
-  }
-  if (!mem.synchronize(stream, "reading partial sums back").ok()) return kernels::InvalidScore{};
-  return kernels::FindFirstInvalidScore(
-      kernels::ScoreMatrix::Dense(host.data(), p.dtype, p.layers, p.tokens));
+  std::vector<std::byte> host;
+  absl::StatusOr<kernels::ScoreMatrix> on_host = kernels::DownloadScores(mem, stream, p, &host);
+  return on_host.ok() ? kernels::FindFirstInvalidScore(*on_host) : kernels::InvalidScore{};
 }
 
 absl::Status CpuCrossDeviceJoiner::Join(std::span<const kernels::ScoreMatrix> partials,
@@ -268,21 +259,13 @@ absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
     // Onto device_ first: a host report uploaded (the copy is done with the host bytes
     // when it returns), another device's rows by peer copies; the join reads them on the
     // same stream.
-    const size_t row_bytes =
-        static_cast<size_t>(slot.view.tokens) * kernels::ScoreDtypeSize(slot.view.dtype);
-    RETURN_IF_ERROR(EnsureDeviceBuffer(row_bytes * static_cast<size_t>(slot.view.layers),
-                                       &slot.device_copy, &slot.device_copy_bytes));
-    auto* dst = static_cast<std::byte*>(slot.device_copy);
-    if (!slot.on_device) {
-      RETURN_IF_ERROR(mem.copy(dst, slot.bytes.data(), slot.bytes.size(),
-                               kernels::CopyKind::kHostToBackend, stream_));
-    } else {
-      for (int64_t layer = 0; layer < slot.view.layers; ++layer) {
-        RETURN_IF_ERROR(mem.copy(dst + static_cast<size_t>(layer) * row_bytes,
-                                 slot.view.Row(layer), row_bytes,
-                                 kernels::CopyKind::kWithinBackend, stream_));
-      }
-    }
+    const size_t bytes = static_cast<size_t>(slot.view.layers * slot.view.tokens) *
+                         kernels::ScoreDtypeSize(slot.view.dtype);
+    RETURN_IF_ERROR(EnsureDeviceBuffer(bytes, &slot.device_copy, &slot.device_copy_bytes));
+    RETURN_IF_ERROR(kernels::CopyScoreRowsDense(
+        mem, slot.view, slot.device_copy,
+        slot.on_device ? kernels::CopyKind::kWithinBackend : kernels::CopyKind::kHostToBackend,
+        stream_));
     views_.push_back(kernels::ScoreMatrix::Dense(slot.device_copy, slot.view.dtype,
                                                  slot.view.layers, slot.view.tokens));
   }

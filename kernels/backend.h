@@ -17,10 +17,13 @@
 #ifndef KVCM_KERNELS_BACKEND_H_
 #define KVCM_KERNELS_BACKEND_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/kv_compaction.h"
 #include "kernels/momentum_update.h"
 #include "kernels/score_matrix.h"
@@ -86,6 +89,37 @@ struct KernelBackend {
 #undef KVCM_DECLARE_KERNEL_ENTRY
   BackendMemory mem;
 };
+
+// Copies the rows of `scores` (strided, in `kind`'s source memory) densely to `dense`
+// ([layers, tokens] of scores.dtype, in its destination memory), enqueued on `stream`.
+inline absl::Status CopyScoreRowsDense(const BackendMemory& mem, const ScoreMatrix& scores,
+                                       void* dense, CopyKind kind, StreamHandle stream) {
+  if (scores.tokens <= 0) return absl::OkStatus();
+  const size_t row_bytes = static_cast<size_t>(scores.tokens) * ScoreDtypeSize(scores.dtype);
+  auto* out = static_cast<std::byte*>(dense);
+  for (int64_t layer = 0; layer < scores.layers; ++layer) {
+    absl::Status copied = mem.copy(out + static_cast<size_t>(layer) * row_bytes,
+                                   scores.Row(layer), row_bytes, kind, stream);
+    if (!copied.ok()) return copied;
+  }
+  return absl::OkStatus();
+}
+
+// `scores` in a device backend's memory, downloaded densely into `buffer` on `stream` of
+// the current device, and waited for: the slow paths (error messages, sampled
+// diagnostics) that read device scores on the host.
+inline absl::StatusOr<ScoreMatrix> DownloadScores(const BackendMemory& mem, StreamHandle stream,
+                                                  const ScoreMatrix& scores,
+                                                  std::vector<std::byte>* buffer) {
+  buffer->resize(static_cast<size_t>(std::max<int64_t>(scores.layers, 0)) *
+                 static_cast<size_t>(std::max<int64_t>(scores.tokens, 0)) *
+                 ScoreDtypeSize(scores.dtype));
+  absl::Status copied =
+      CopyScoreRowsDense(mem, scores, buffer->data(), CopyKind::kBackendToHost, stream);
+  if (copied.ok()) copied = mem.synchronize(stream, "reading scores back");
+  if (!copied.ok()) return copied;
+  return ScoreMatrix::Dense(buffer->data(), scores.dtype, scores.layers, scores.tokens);
+}
 
 // The CPU reference kernels over host memory.
 const KernelBackend& CpuBackend();

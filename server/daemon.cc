@@ -596,7 +596,7 @@ void Daemon::ReclaimLoop() {
       table_->AbortStaleJoins(options_.tp_join_timeout);
     }
     metrics_->SetStepPathGauges(executor_->QueuedTasks(), regions_ ? regions_->count() : 0,
-                                regions_ ? regions_->created_bytes() : 0,
+                                created_region_budget_ ? created_region_budget_->used() : 0,
                                 table_->pending_join_bytes());
     if (options_.idle_timeout <= absl::ZeroDuration()) continue;
     if (regions_ != nullptr) {

@@ -262,15 +262,6 @@ int64_t ScoreRegions::count() const {
   return static_cast<int64_t>(regions_.size());
 }
 
-int64_t ScoreRegions::created_bytes() const {
-  ReaderMutexLock lock(&mu_);
-  int64_t bytes = 0;
-  for (const auto& [id, mapping] : regions_) {
-    if (mapping->storage != nullptr) bytes += static_cast<int64_t>(mapping->size);
-  }
-  return bytes;
-}
-
 int64_t ScoreRegions::mapped_bytes() const {
   ReaderMutexLock lock(&mu_);
   int64_t bytes = 0;

@@ -118,8 +118,6 @@ class ScoreRegions {
 
   int64_t count() const;
   int64_t mapped_bytes() const;
-  // The bytes of the created regions alive now.
-  int64_t created_bytes() const;
 
  private:
   struct Mapping;

@@ -13,6 +13,21 @@
 
 namespace kvcm::client {
 
+namespace {
+
+// UnregisterScoreRegion, best effort (a daemon that is gone or dropped the region holds
+// nothing of ours).
+void UnregisterQuietly(KvCacheClient& client, uint64_t region) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::UnregisterScoreRegionRequest request;
+  request.set_region(region);
+  v1::UnregisterScoreRegionResponse response;
+  (void)client.stub().UnregisterScoreRegion(&context, request, &response);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::Create(KvCacheClient& client,
                                                                  int64_t byte_size) {
   if (byte_size <= 0) {
@@ -65,14 +80,7 @@ absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::CreateInDaemon(KvCache
   v1::CreateScoreRegionResponse response;
   absl::Status created = FromGrpc(client.stub().CreateScoreRegion(&context, request, &response));
   if (!created.ok()) return created;
-  const auto unregister = [&] {
-    grpc::ClientContext unregister_context;
-    unregister_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    v1::UnregisterScoreRegionRequest drop;
-    drop.set_region(response.region());
-    v1::UnregisterScoreRegionResponse dropped;
-    (void)client.stub().UnregisterScoreRegion(&unregister_context, drop, &dropped);
-  };
+  const auto unregister = [&] { UnregisterQuietly(client, response.region()); };
   if (response.backend() != v1::KV_BACKEND_HOST || response.shm_name().empty()) {
     unregister();
     return absl::FailedPreconditionError(absl::StrCat(
@@ -100,14 +108,7 @@ absl::StatusOr<std::unique_ptr<ScoreRegion>> ScoreRegion::CreateInDaemon(KvCache
 }
 
 ScoreRegion::~ScoreRegion() {
-  if (id_ != 0) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    v1::UnregisterScoreRegionRequest request;
-    request.set_region(id_);
-    v1::UnregisterScoreRegionResponse response;
-    (void)client_.stub().UnregisterScoreRegion(&context, request, &response);  // best effort
-  }
+  if (id_ != 0) UnregisterQuietly(client_, id_);
   munmap(base_, size_);
   if (ours_) shm_unlink(name_.c_str());
 }

@@ -174,6 +174,18 @@ TEST(TensorParallelJoinTest, MixedDtypesJoinInDouble) {
   EXPECT_EQ(v[1], 0.5f);
 }
 
+// `ranks` rows of `n` partial sums, uniform in [0, max).
+std::vector<std::vector<float>> RandomRankSums(uint64_t seed, int ranks, int64_t n, float max) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, max);
+  std::vector<std::vector<float>> sums(static_cast<size_t>(ranks),
+                                       std::vector<float>(static_cast<size_t>(n)));
+  for (auto& rank : sums) {
+    for (float& x : rank) x = u(rng);
+  }
+  return sums;
+}
+
 // Reports whose partial sums already sit in a device's memory (the emulated device here:
 // host memory behind the device code path) are referenced in place, pinned until the
 // step is done, validated on the device, and joined there: bit for bit what the host join
@@ -181,12 +193,7 @@ TEST(TensorParallelJoinTest, MixedDtypesJoinInDouble) {
 TEST(TensorParallelJoinTest, ReportsInDeviceMemoryJoinOnTheDeviceExactlyAsOnTheHost) {
   const kernels::KernelBackend& device = kernels::EmulatedDeviceBackend();
   constexpr int64_t kLayers = 3, kTokens = 41;
-  std::mt19937_64 rng(17);
-  std::uniform_real_distribution<float> u(0.0f, 2.0f);
-  std::vector<std::vector<float>> sums(3, std::vector<float>(kLayers * kTokens));
-  for (auto& rank : sums) {
-    for (float& x : rank) x = u(rng);
-  }
+  const std::vector<std::vector<float>> sums = RandomRankSums(17, 3, kLayers * kTokens, 2.0f);
   const int64_t heads[] = {1, 3, 2};
   TensorParallelJoin host(3);
   for (int32_t r = 0; r < 3; ++r) {
@@ -245,12 +252,7 @@ class CountingJoiner final : public CrossDeviceJoiner {
 TEST(TensorParallelJoinTest, PartialSumsOnOneDevicePerRankAreJoinedAcrossTheDevices) {
   const kernels::KernelBackend& device = kernels::EmulatedDeviceBackend();
   constexpr int64_t kLayers = 2, kTokens = 29;
-  std::mt19937_64 rng(23);
-  std::uniform_real_distribution<float> u(0.0f, 3.0f);
-  std::vector<std::vector<float>> sums(3, std::vector<float>(kLayers * kTokens));
-  for (auto& rank : sums) {
-    for (float& x : rank) x = u(rng);
-  }
+  const std::vector<std::vector<float>> sums = RandomRankSums(23, 3, kLayers * kTokens, 3.0f);
   TensorParallelJoin host(3);
   for (int32_t r = 0; r < 3; ++r) {
     ASSERT_TRUE(host.Add(Report(r, 1, sums[r], kLayers, 1 + r), Expect(1, kTokens, true)).ok());
