@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "cache_manager/kv_events.h"
-#include "cache_manager/sequence.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/events/kv_events.h"
+#include "cache_manager/engine/sequence.h"
+#include "cache_manager/table/sequence_table.h"
 #include "kernels/cpu/hot_loops.h"
 #include "kernels/half_float.h"
 #include "kernels/momentum_update.h"

@@ -28,11 +28,11 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "cache_manager/sequence_table.h"
-#include "cache_manager/step_executor.h"
-#include "cache_manager/sequence.h"
+#include "cache_manager/table/sequence_table.h"
+#include "cache_manager/table/step_executor.h"
+#include "cache_manager/engine/sequence.h"
 #include "server/metrics.h"
-#include "server/score_regions.h"
+#include "cache_manager/kv/score_regions.h"
 #include "server/step_batch_processor.h"
 
 namespace kvcm {
@@ -78,7 +78,7 @@ class Waiter final : public server::BatchCompletion {
 // A score region holding `bytes`, registered with `regions`; unlinked when destroyed.
 class BenchRegion {
  public:
-  BenchRegion(server::ScoreRegions& regions, const std::string& bytes)
+  BenchRegion(ScoreRegions& regions, const std::string& bytes)
       : name_("/kvcm-bench-" + std::to_string(getpid())) {
     const int fd = shm_open(name_.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
     if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes.size())) != 0) std::abort();
@@ -105,7 +105,7 @@ void BM_ServerStep(benchmark::State& state, bool by_region) {
   SequenceTable table;
   StepExecutor executor(threads, 1024);
   server::ServerMetrics metrics(server::BuildInfo{});
-  server::ScoreRegions regions(server::ScoreRegionsOptions{});
+  ScoreRegions regions(ScoreRegionsOptions{});
   server::StepBatchProcessor processor(&table, &executor, &regions, &metrics);
 
   SequenceOptions options;

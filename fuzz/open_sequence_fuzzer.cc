@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "cache_manager/check.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/base/check.h"
+#include "cache_manager/table/sequence_table.h"
 #include "fuzz/fuzz_support.h"
 #include "kernels/score_matrix.h"
 #include "server/translate.h"

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "cache_manager/block_pool.h"
-#include "cache_manager/check.h"
-#include "cache_manager/kv_pools.h"
-#include "cache_manager/mutex.h"
-#include "cache_manager/sequence_table.h"
-#include "cache_manager/step_executor.h"
+#include "cache_manager/kv/block_pool.h"
+#include "cache_manager/base/check.h"
+#include "cache_manager/kv/kv_pools.h"
+#include "cache_manager/base/mutex.h"
+#include "cache_manager/table/sequence_table.h"
+#include "cache_manager/table/step_executor.h"
 #include "fuzz/fuzz_support.h"
 #include "server/metrics.h"
 #include "server/step_batch_processor.h"

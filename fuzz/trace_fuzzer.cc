@@ -14,7 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "cache_manager/check.h"
+#include "cache_manager/base/check.h"
 #include "clients/replay/trace.h"
 
 namespace {

@@ -1,6 +1,6 @@
 // KV compaction: copies the keys and values of whole tokens from one slot of a rank's KV
 // block storage to another, so that survivors of eviction can be packed and whole blocks
-// returned to the pool (cache_manager/block_pool.h plans the moves).
+// returned to the pool (cache_manager/kv/block_pool.h plans the moves).
 //
 // Block storage layout (one rank, row-major, no padding):
 //

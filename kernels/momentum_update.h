@@ -7,7 +7,7 @@
 //   folded:      m <- decay * m + s_0                    (layers == 1: a folded row)
 //
 // `folded` is the closed form of the three score rules over K layers, for one row that the
-// caller has already folded with the weights of cache_manager/fold.h (docs/SPEC.md,
+// caller has already folded with the weights of cache_manager/policy/fold.h (docs/SPEC.md,
 // "Folded reports"): ema decay alpha^K, cumulative 1, single_step 0.
 //
 // The update is fused with validation: every score is checked (finite and >= 0) in the

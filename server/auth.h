@@ -16,7 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "cache_manager/mutex.h"
+#include "cache_manager/base/mutex.h"
 
 namespace kvcm::server {
 

@@ -15,7 +15,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "cache_manager/mutex.h"
+#include "cache_manager/base/mutex.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "cache_manager/block_pool.h"
+#include "cache_manager/kv/block_pool.h"
 #include "kernels/half_float.h"
 #include "kernels/kv_compaction.h"
 #include "kernels/momentum_update.h"
@@ -38,7 +38,7 @@
 #if KVCM_BENCH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cache_manager/cuda_block_pool.h"
+#include "cache_manager/kv/cuda_block_pool.h"
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/kv_compaction_cuda.h"
 #include "kernels/cuda/momentum_update_cuda.h"

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/support/client_interceptor.h"
-#include "kvcache/v1/wire_dtype.h"
+#include "wire/wire_dtype.h"
 #include "kernels/half_float.h"
 
 namespace kvcm::client {

@@ -12,7 +12,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
-#include "cache_manager/policy.h"
+#include "cache_manager/policy/policy.h"
 #include "clients/cpp/security_flags.h"
 #include "clients/loadgen/loadgen.h"
 

@@ -9,7 +9,7 @@
 #include <span>
 #include <string>
 
-#include "cache_manager/eviction_decision.h"
+#include "cache_manager/engine/eviction_decision.h"
 
 namespace kvcm::replay {
 

@@ -1,7 +1,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "cache_manager/status_macros.h"
+#include "cache_manager/base/status_macros.h"
 #include "clients/replay/replay_backend.h"
 
 namespace kvcm::replay {

@@ -6,7 +6,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "cache_manager/status_macros.h"
+#include "cache_manager/base/status_macros.h"
 #include "clients/cpp/kvcache_client.h"
 #include "clients/cpp/score_region.h"
 

@@ -11,9 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cache_manager/eviction_decision.h"
-#include "cache_manager/sequence.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/engine/eviction_decision.h"
+#include "cache_manager/engine/sequence.h"
+#include "cache_manager/table/sequence_table.h"
 #include "clients/replay/trace.h"
 
 namespace kvcm::replay {

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cache_manager/policy.h"
+#include "cache_manager/policy/policy.h"
 
 namespace kvcm::testing {
 

@@ -5,7 +5,7 @@
 // pool by its handle (kvcm_gpu_ipc_child) and seeing the parent's bytes, before and after
 // a compaction; and a second process writing score rows into exported device memory (a
 // daemon-created CUDA score region) that the engine reads in place.
-#include "cache_manager/cuda_block_pool.h"
+#include "cache_manager/kv/cuda_block_pool.h"
 
 #include <cuda_runtime_api.h>
 
@@ -24,12 +24,12 @@
 #include <string>
 #include <vector>
 
-#include "cache_manager/sequence.h"
-#include "cache_manager/tensor_parallel_join.h"
+#include "cache_manager/engine/sequence.h"
+#include "cache_manager/tp/tensor_parallel_join.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "tests/gpu/gpu_test_util.h"
-#include "tests/pools/kv_pattern.h"
+#include "tests/cache_manager/kv/kv_pattern.h"
 
 namespace kvcm {
 namespace {

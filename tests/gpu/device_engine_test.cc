@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "cache_manager/sequence.h"
+#include "cache_manager/engine/sequence.h"
 #include "clients/replay/trace.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"

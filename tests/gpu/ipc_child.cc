@@ -2,7 +2,7 @@
 // tests. It finds the exporting process's GPU by UUID (ordinals may differ between
 // processes) and opens the memory by its CUDA IPC handle. Then either it copies the
 // mapping to the host and checks that every listed slot holds its token's K/V pattern
-// (tests/pools/kv_pattern.h), or (`write`) it writes a file's bytes at an offset, as a
+// (tests/cache_manager/kv/kv_pattern.h), or (`write`) it writes a file's bytes at an offset, as a
 // worker writes score rows into a score region the daemon created.
 //
 //   kvcm_gpu_ipc_child HANDLE_HEX UUID BYTES TPB LAYERS KV_HEADS HEAD_DIM DTYPE CHECKS_FILE
@@ -23,7 +23,7 @@
 
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/kv_compaction.h"
-#include "tests/pools/kv_pattern.h"
+#include "tests/cache_manager/kv/kv_pattern.h"
 
 namespace {
 

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "cache_manager/eviction_decision.h"
-#include "cache_manager/policy.h"
-#include "cache_manager/sequence.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/engine/eviction_decision.h"
+#include "cache_manager/policy/policy.h"
+#include "cache_manager/engine/sequence.h"
+#include "cache_manager/table/sequence_table.h"
 #include "kernels/score_matrix.h"
 #include "gtest/gtest.h"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/table/sequence_table.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/rank_join_fixture.h"
 

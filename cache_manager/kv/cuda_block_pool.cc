@@ -1,0 +1,161 @@
+#include "cache_manager/kv/cuda_block_pool.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cache_manager/base/status_macros.h"
+#include "kernels/cuda/cuda_adapter.h"
+#include "kernels/cuda/kv_compaction_cuda.h"
+
+namespace kvcm {
+namespace {
+
+using kernels::cuda::CudaStatus;
+using kernels::cuda::ScopedDevice;
+
+class CudaKvStorage final : public KvStorage {
+ public:
+  // Takes ownership of `data` and `stream`, both of `device`.
+  CudaKvStorage(int device, void* data, int64_t bytes, cudaStream_t stream,
+                MemoryExport exported, CudaDeviceIdentity identity)
+      : device_(device), data_(data), bytes_(bytes), stream_(stream),
+        export_(std::move(exported)), identity_(std::move(identity)) {}
+
+  ~CudaKvStorage() override {
+    ScopedDevice on_device(device_);
+    cudaStreamDestroy(stream_);
+    cudaFree(data_);
+  }
+
+  MemorySpace space() const override { return MemorySpace::kDevice; }
+  void* data() const override { return data_; }
+  int64_t bytes() const override { return bytes_; }
+  const MemoryExport& memory_export() const override { return export_; }
+  const CudaDeviceIdentity& identity() const { return identity_; }
+
+  absl::Status MoveTokens(const kernels::KvBlockLayout& layout,
+                          std::span<const kernels::KvMove> moves) override {
+    if (moves.empty()) return absl::OkStatus();
+    ScopedDevice on_device(device_);
+    RETURN_IF_ERROR(on_device.status());
+    // The moves travel in a stream-ordered allocation: concurrent compactions need no
+    // shared staging buffer, and the pageable source is consumed before the copy returns.
+    const size_t move_bytes = moves.size() * sizeof(kernels::KvMove);
+    void* device_moves = nullptr;
+    RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&device_moves, move_bytes, stream_),
+                               "cudaMallocAsync for compaction moves"));
+    absl::Status status = CudaStatus(
+        cudaMemcpyAsync(device_moves, moves.data(), move_bytes, cudaMemcpyHostToDevice, stream_),
+        "copying compaction moves to the device");
+    if (status.ok()) {
+      kernels::cuda::CompactKv(data_, layout, static_cast<const kernels::KvMove*>(device_moves),
+                               static_cast<int64_t>(moves.size()), stream_);
+      status = kernels::cuda::LaunchStatus("CompactKv");
+    }
+    const absl::Status freed = CudaStatus(cudaFreeAsync(device_moves, stream_), "cudaFreeAsync");
+    const absl::Status synced = kernels::cuda::SyncStatus(stream_, "KV compaction");
+    if (!status.ok()) return status;
+    return freed.ok() ? synced : freed;
+  }
+
+ private:
+  const int device_;
+  void* const data_;
+  const int64_t bytes_;
+  const cudaStream_t stream_;
+  const MemoryExport export_;
+  const CudaDeviceIdentity identity_;
+};
+
+absl::Status CheckDevice(int device) {
+  ASSIGN_OR_RETURN(const int visible, kernels::cuda::VisibleDeviceCount());
+  if (device < 0 || device >= visible) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", device, " does not exist (",
+                                                   visible, " visible)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CudaDeviceIdentity> DescribeCudaDevice(int device) {
+  RETURN_IF_ERROR(CheckDevice(device));
+  cudaDeviceProp properties{};
+  RETURN_IF_ERROR(CudaStatus(cudaGetDeviceProperties(&properties, device),
+                             absl::StrCat("cudaGetDeviceProperties(", device, ")")));
+  char bus_id[32] = {};
+  RETURN_IF_ERROR(CudaStatus(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device),
+                             absl::StrCat("cudaDeviceGetPCIBusId(", device, ")")));
+  return CudaDeviceIdentity{kernels::cuda::FormatDeviceUuid(properties.uuid), bus_id};
+}
+
+absl::StatusOr<CudaIpcExport> CudaIpcExportOf(const KvStorage& storage) {
+  const auto* cuda = dynamic_cast<const CudaKvStorage*>(&storage);
+  if (cuda == nullptr) {
+    return absl::InvalidArgumentError("the KV storage is not CUDA device memory");
+  }
+  const MemoryExport& exported = cuda->memory_export();
+  if (exported.kind != MemoryExport::Kind::kCudaIpc) {
+    return absl::FailedPreconditionError(
+        "the CUDA KV storage was made without an IPC export (CudaStorageOptions::export_ipc)");
+  }
+  return CudaIpcExport{exported.cuda_ipc_handle, exported.device, cuda->identity(),
+                       exported.bytes};
+}
+
+absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int device,
+                                                            const CudaStorageOptions& options) {
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device KV storage of ", bytes, " bytes; it must be > 0"));
+  }
+  ASSIGN_OR_RETURN(CudaDeviceIdentity identity, DescribeCudaDevice(device));
+  ScopedDevice on_device(device);
+  RETURN_IF_ERROR(on_device.status());
+  const std::string what = absl::StrCat("device ", device, ": ");
+  cudaStream_t stream = nullptr;
+  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                             absl::StrCat(what, "cudaStreamCreate")));
+  void* data = nullptr;
+  absl::Status status = CudaStatus(cudaMalloc(&data, static_cast<size_t>(bytes)),
+                                   absl::StrCat(what, "cudaMalloc of ", bytes, " bytes"));
+  // The fill runs on the storage's own stream (which does not wait for the legacy default
+  // stream) and is complete before anyone, here or in a worker, can see the memory.
+  if (status.ok()) {
+    status = CudaStatus(cudaMemsetAsync(data, 0, static_cast<size_t>(bytes), stream),
+                        absl::StrCat(what, "cudaMemsetAsync"));
+  }
+  if (status.ok()) status = kernels::cuda::SyncStatus(stream, absl::StrCat(what, "zero fill"));
+  MemoryExport exported;
+  if (status.ok() && options.export_ipc) {
+    cudaIpcMemHandle_t handle;
+    status = CudaStatus(cudaIpcGetMemHandle(&handle, data),
+                        absl::StrCat(what, "cudaIpcGetMemHandle"));
+    exported.kind = MemoryExport::Kind::kCudaIpc;
+    exported.cuda_ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
+    exported.device = device;
+    exported.device_uuid = identity.uuid;
+    exported.device_pci_bus_id = identity.pci_bus_id;
+    exported.bytes = bytes;
+  }
+  if (!status.ok()) {
+    if (data != nullptr) cudaFree(data);
+    cudaStreamDestroy(stream);
+    return status;
+  }
+  return std::unique_ptr<KvStorage>(new CudaKvStorage(device, data, bytes, stream,
+                                                      std::move(exported), std::move(identity)));
+}
+
+absl::StatusOr<std::unique_ptr<BlockPool>> CreateCudaBlockPool(const BlockPoolOptions& options,
+                                                               int device,
+                                                               const CudaStorageOptions& storage) {
+  return BlockPool::Create(options, [device, storage](int64_t bytes) {
+    return NewCudaKvStorage(bytes, device, storage);
+  });
+}
+
+}  // namespace kvcm
