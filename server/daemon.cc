@@ -24,16 +24,15 @@
 #include "grpcpp/grpcpp.h"
 #include "prometheus/exposer.h"
 #ifdef KVCM_HAS_NCCL
-#include "cache_manager/nccl_cross_device_join.h"
+#include "cache_manager/tp/nccl_cross_device_join.h"
 #endif
 #ifdef KVCM_HAS_CUDA
-#include "cache_manager/cuda_block_pool.h"
-#include "kernels/cuda/cuda_adapter.h"
-#include "kernels/cuda/cuda_backend.h"
+#include "cache_manager/kv/cuda_block_pool.h"
 #endif
-#include "cache_manager/restart.h"
-#include "cache_manager/snapshot.h"
-#include "cache_manager/status_macros.h"
+#include "cache_manager/base/status_macros.h"
+#include "cache_manager/persist/restart.h"
+#include "cache_manager/persist/snapshot.h"
+#include "kernels/backend_by_name.h"
 #include "server/auth.h"
 #include "server/health_service.h"
 #include "server/kvcache_service.h"
@@ -81,25 +80,14 @@ bool IsDeadInstancesPool(absl::string_view name) {
   return kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
-// Whether `engine` (null: the CPU) decides on a CUDA device, whose memory is not the
-// host's.
-bool IsCudaEngine(const kernels::KernelBackend* engine) {
-#ifdef KVCM_HAS_CUDA
-  return engine == &kernels::cuda::CudaBackend();
-#else
-  (void)engine;
-  return false;
-#endif
-}
-
 // The join of tensor-parallel partial sums that sit one per rank on distinct devices
 // (score regions created with a rank): NCCL for a CUDA engine (built with NCCL), the CPU
 // twins for the emulated device, none otherwise (the CPU engine's regions are host
 // memory; a CUDA build without NCCL gathers such steps onto the engine's GPU).
-std::unique_ptr<CrossDeviceJoiner> CrossDeviceJoinerFor(const kernels::KernelBackend* engine) {
-  if (engine == &kernels::EmulatedDeviceBackend()) return std::make_unique<CpuCrossDeviceJoiner>();
+std::unique_ptr<CrossDeviceJoiner> CrossDeviceJoinerFor(EngineBackend engine) {
+  if (engine == EngineBackend::kEmulated) return std::make_unique<CpuCrossDeviceJoiner>();
 #ifdef KVCM_HAS_NCCL
-  if (IsCudaEngine(engine)) return std::make_unique<NcclCrossDeviceJoiner>();
+  if (engine == EngineBackend::kCuda) return std::make_unique<NcclCrossDeviceJoiner>();
 #endif
   return nullptr;
 }
@@ -107,9 +95,9 @@ std::unique_ptr<CrossDeviceJoiner> CrossDeviceJoinerFor(const kernels::KernelBac
 // The memory of the score regions kvcached creates: on the engine's GPU for a CUDA
 // engine (exported by IPC handle), else a POSIX shared-memory object (the emulated
 // device's "device memory" is host memory too).
-ScoreRegionAllocator ScoreRegionAllocatorFor(const kernels::KernelBackend* engine, int device) {
+ScoreRegionAllocator ScoreRegionAllocatorFor(EngineBackend engine, int device) {
 #ifdef KVCM_HAS_CUDA
-  if (IsCudaEngine(engine)) {
+  if (engine == EngineBackend::kCuda) {
     return [device](int64_t bytes, const std::string& /*shm_name*/, int on_device) {
       return NewCudaKvStorage(bytes, on_device >= 0 ? on_device : device);
     };
@@ -199,35 +187,17 @@ absl::StatusOr<std::optional<EngineSnapshot>> LoadSnapshot(const ServerOptions& 
   return std::optional<EngineSnapshot>(*std::move(snapshot));
 }
 
-// The kernel backend of the sequences' engine state (nullptr: the CPU reference), or why
-// this daemon cannot run it.
+// The kernel backend of the sequences' engine state, or why this daemon cannot run it.
 absl::StatusOr<const kernels::KernelBackend*> EngineKernels(const ServerOptions& options) {
-  EngineBackend engine = options.engine_backend;
-  if (engine == EngineBackend::kAuto) {
-    engine = options.backend == KvBackend::kCuda ? EngineBackend::kCuda : EngineBackend::kCpu;
-  }
-  switch (engine) {
-    case EngineBackend::kCpu:
-    case EngineBackend::kAuto:
-      return nullptr;
-    case EngineBackend::kEmulated:
-      return &kernels::EmulatedDeviceBackend();
-    case EngineBackend::kCuda:
-      break;
-  }
-#ifdef KVCM_HAS_CUDA
-  ASSIGN_OR_RETURN(const int devices, kernels::cuda::VisibleDeviceCount());
-  if (options.engine_device < 0 || options.engine_device >= devices) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--engine_backend=cuda: --engine_device is ", options.engine_device, " but ",
-        devices, " CUDA device(s) are visible (use --engine_backend=cpu to decide on the "
-        "CPU)"));
-  }
-  return &kernels::cuda::CudaBackend();
-#else
-  return absl::FailedPreconditionError(
-      "--engine_backend=cuda: this kvcached was built without CUDA");
-#endif
+  const EngineBackend engine = options.ResolvedEngineBackend();
+  absl::StatusOr<const kernels::KernelBackend*> found =
+      kernels::BackendByName(EngineBackendName(engine), options.engine_device);
+  if (found.ok()) return found;
+  return absl::Status(
+      found.status().code(),
+      absl::StrCat("--engine_backend=", EngineBackendName(engine), " --engine_device=",
+                   options.engine_device, ": ", found.status().message(),
+                   " (use --engine_backend=cpu to decide on the CPU)"));
 }
 
 // The id of group `name` (--listen_group); INVALID_ARGUMENT when there is none.
@@ -258,274 +228,260 @@ absl::Status SecureSocketFile(const std::string& path, gid_t gid) {
 
 }  // namespace
 
-absl::string_view EngineBackendName(EngineBackend backend) {
-  switch (backend) {
-    case EngineBackend::kAuto: return "auto";
-    case EngineBackend::kCpu: return "cpu";
-    case EngineBackend::kCuda: return "cuda";
-    case EngineBackend::kEmulated: return "emulated";
-  }
-  return "auto";
-}
-
-std::optional<EngineBackend> ParseEngineBackend(absl::string_view name) {
-  for (EngineBackend b : {EngineBackend::kAuto, EngineBackend::kCpu, EngineBackend::kCuda,
-                          EngineBackend::kEmulated}) {
-    if (name == EngineBackendName(b)) return b;
-  }
-  return std::nullopt;
-}
-
-absl::string_view KvBackendName(KvBackend backend) {
-  return backend == KvBackend::kCuda ? "cuda" : "host";
-}
-
-std::optional<KvBackend> ParseKvBackend(absl::string_view name) {
-  if (name == "host") return KvBackend::kHost;
-  if (name == "cuda") return KvBackend::kCuda;
-  return std::nullopt;
-}
-
 Daemon::Daemon(const ServerOptions& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& options,
                                                       const BuildInfo& build) {
+  RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<Daemon> d(new Daemon(options));
   d->metrics_ = std::make_unique<ServerMetrics>(build);
-#ifndef KVCM_HAS_CUDA
-  if (options.backend == KvBackend::kCuda) {
-    return absl::InvalidArgumentError("--backend=cuda: this kvcached was built without CUDA");
-  }
-#endif
   std::optional<EngineSnapshot> snapshot;
   if (!options.state_dir.empty()) {
-    // Device memory dies with the process, and workers map private host memory not at
-    // all: such pools cannot be re-attached, so a snapshot could not keep its promise.
-    if (options.pool_memory_bytes > 0 &&
-        (options.backend == KvBackend::kCuda || !options.kv_shared_memory)) {
-      return absl::InvalidArgumentError(
-          "--state_dir needs host KV pools in shared memory (--backend=host "
-          "--kv_shared_memory), or no pools: other pools do not survive the process");
-    }
     ASSIGN_OR_RETURN(snapshot, LoadSnapshot(options));
   }
-  if (options.pool_memory_bytes > 0) {
-    if (snapshot.has_value()) {
+  RETURN_IF_ERROR(d->CreatePools(&snapshot));
+  RETURN_IF_ERROR(d->CreateEngine());
+  if (snapshot.has_value()) d->RestoreSequences(*snapshot);
+  d->CreateExecutor();
+  if (options.allow_shm_scores) d->CreateScoreRegions();
+  RETURN_IF_ERROR(d->ServeMetrics());
+  RETURN_IF_ERROR(d->ServeGrpc());
+  // Before the restored snapshot goes: a start that fails here keeps it for the next.
+  RETURN_IF_ERROR(d->StartHealthServer());
+  d->StartServing();
+  return d;
+}
+
+absl::Status Daemon::CreatePools(std::optional<EngineSnapshot>* snapshot) {
+  if (options_.pool_memory_bytes > 0) {
+    if (snapshot->has_value()) {
       // Re-attached (and so locked) before the sweep below, which would remove them.
       absl::StatusOr<std::unique_ptr<KvPools>> attached =
-          KvPools::Create(options.tp_ranks, options.kv_layout, options.pool_memory_bytes,
-                          PoolFactory(options, &*snapshot));
+          KvPools::Create(options_.tp_ranks, options_.kv_layout, options_.pool_memory_bytes,
+                          PoolFactory(options_, &**snapshot));
       if (attached.ok()) {
-        d->pools_ = *std::move(attached);
+        pools_ = *std::move(attached);
       } else {
-        SetSnapshotAside(SnapshotPath(options), attached.status());
-        snapshot.reset();
+        SetSnapshotAside(SnapshotPath(options_), attached.status());
+        snapshot->reset();
       }
     }
-    if (options.backend == KvBackend::kHost && options.kv_shared_memory) {
+    if (options_.backend == KvBackend::kHost && options_.kv_shared_memory) {
       // The pools re-attached above are locked by now: the sweep skips objects a live
       // process holds, this one included.
       RemoveDeadInstancesSharedMemory();
     }
-    if (d->pools_ == nullptr) {
-      ASSIGN_OR_RETURN(d->pools_, KvPools::Create(options.tp_ranks, options.kv_layout,
-                                                  options.pool_memory_bytes,
-                                                  PoolFactory(options)));
+    if (pools_ == nullptr) {
+      ASSIGN_OR_RETURN(pools_, KvPools::Create(options_.tp_ranks, options_.kv_layout,
+                                               options_.pool_memory_bytes,
+                                               PoolFactory(options_)));
     }
   }
-  if (options.allow_shm_scores &&
-      !(options.pool_memory_bytes > 0 && options.backend == KvBackend::kHost &&
-        options.kv_shared_memory)) {
+  if (options_.allow_shm_scores &&
+      !(options_.pool_memory_bytes > 0 && options_.backend == KvBackend::kHost &&
+        options_.kv_shared_memory)) {
     RemoveDeadInstancesSharedMemory();  // created score regions only
   }
-  d->pool_gauges_ = std::make_shared<PoolGauges>(d->pools_.get(),
-                                                  std::string(KvBackendName(options.backend)));
+  pool_gauges_ =
+      std::make_shared<PoolGauges>(pools_.get(), std::string(KvBackendName(options_.backend)));
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::CreateEngine() {
   SequenceTableOptions table_options;
-  table_options.max_sequences = options.max_sequences;
-  table_options.tenant_max_sequences = options.tenant_max_sequences;
-  if (options.tenant_memory_share < 1.0) {
+  table_options.max_sequences = options_.max_sequences;
+  table_options.tenant_max_sequences = options_.tenant_max_sequences;
+  if (options_.tenant_memory_share < 1.0) {
     table_options.tenant_memory_limit_bytes = static_cast<int64_t>(
-        static_cast<double>(options.memory_limit_bytes) * options.tenant_memory_share);
+        static_cast<double>(options_.memory_limit_bytes) * options_.tenant_memory_share);
   }
-  table_options.max_tp_world_size = options.max_tp_world_size;
-  table_options.kv_pools = d->pools_.get();
-  table_options.max_pending_join_bytes = options.max_pending_join_bytes;
-  table_options.max_sequence_tokens = options.max_sequence_tokens;
-  table_options.memory_limit_bytes = options.memory_limit_bytes;
-  if (options.kv_events_ring > 0) {
+  table_options.max_tp_world_size = options_.max_tp_world_size;
+  table_options.kv_pools = pools_.get();
+  table_options.max_pending_join_bytes = options_.max_pending_join_bytes;
+  table_options.max_sequence_tokens = options_.max_sequence_tokens;
+  table_options.memory_limit_bytes = options_.memory_limit_bytes;
+  if (options_.kv_events_ring > 0) {
     KvEventLogOptions events;
-    events.ring_capacity = options.kv_events_ring;
-    events.max_subscribers = options.kv_events_max_subscribers;
-    d->kv_events_ = std::make_unique<KvEventLog>(events);
+    events.ring_capacity = options_.kv_events_ring;
+    events.max_subscribers = options_.kv_events_max_subscribers;
+    kv_events_ = std::make_unique<KvEventLog>(events);
   }
-  d->kv_event_gauges_ = std::make_shared<KvEventGauges>(d->kv_events_.get());
-  table_options.kv_events = d->kv_events_.get();
-  table_options.diagnostics = {options.diagnostics_every, options.diagnostics_sample};
-  ASSIGN_OR_RETURN(table_options.engine_backend, EngineKernels(options));
-  table_options.engine_device = options.engine_device;
-  d->cross_device_joiner_ = CrossDeviceJoinerFor(table_options.engine_backend);
-  table_options.cross_device_joiner = d->cross_device_joiner_.get();
-  if (table_options.engine_backend != nullptr) d->engine_name_ = table_options.engine_backend->name;
-  d->table_ = std::make_unique<SequenceTable>(table_options);
-  if (snapshot.has_value()) {
-    const RestoreReport report = RestoreEngine(*snapshot, d->table_.get(), d->pools_.get());
-    for (const std::string& failure : report.failures) {
-      std::fprintf(stderr, "kvcached: ERROR: a sequence of the snapshot was not restored: %s\n",
-                   EscapeText(failure).c_str());
-    }
-    std::fprintf(stderr,
-                 "kvcached: restored %lld of %zu sequence(s) and %zu KV pool(s) from %s (written "
-                 "by pid %lld)\n",
-                 static_cast<long long>(report.restored), snapshot->sequences.size(),
-                 snapshot->pools.size(), SnapshotPath(options).c_str(),
-                 static_cast<long long>(snapshot->pid));
-    d->restored_snapshot_path_ = SnapshotPath(options);
+  kv_event_gauges_ = std::make_shared<KvEventGauges>(kv_events_.get());
+  table_options.kv_events = kv_events_.get();
+  table_options.diagnostics = {options_.diagnostics_every, options_.diagnostics_sample};
+  ASSIGN_OR_RETURN(table_options.engine_backend, EngineKernels(options_));
+  table_options.engine_device = options_.engine_device;
+  cross_device_joiner_ = CrossDeviceJoinerFor(options_.ResolvedEngineBackend());
+  table_options.cross_device_joiner = cross_device_joiner_.get();
+  engine_name_ = table_options.engine_backend->name;
+  engine_memory_ = table_options.engine_backend->memory;
+  table_ = std::make_unique<SequenceTable>(table_options);
+  table_gauges_ = std::make_shared<TableGauges>(table_.get());
+  limit_gauges_ = std::make_shared<LimitGauges>(table_->memory_budget());
+  return absl::OkStatus();
+}
+
+void Daemon::RestoreSequences(const EngineSnapshot& snapshot) {
+  const RestoreReport report = RestoreEngine(snapshot, table_.get(), pools_.get());
+  for (const std::string& failure : report.failures) {
+    std::fprintf(stderr, "kvcached: ERROR: a sequence of the snapshot was not restored: %s\n",
+                 EscapeText(failure).c_str());
   }
+  std::fprintf(stderr,
+               "kvcached: restored %lld of %zu sequence(s) and %zu KV pool(s) from %s (written "
+               "by pid %lld)\n",
+               static_cast<long long>(report.restored), snapshot.sequences.size(),
+               snapshot.pools.size(), SnapshotPath(options_).c_str(),
+               static_cast<long long>(snapshot.pid));
+  restored_snapshot_path_ = SnapshotPath(options_);
+}
+
+void Daemon::CreateExecutor() {
   const int32_t engine_threads =
-      options.engine_threads > 0
-          ? options.engine_threads
+      options_.engine_threads > 0
+          ? options_.engine_threads
           : std::max<int32_t>(1, static_cast<int32_t>(std::thread::hardware_concurrency()));
   // Every in-flight batch posts at most one task per engine thread; unary Step calls add
   // what gRPC lets through concurrently.
   const int64_t queue_capacity =
-      int64_t{options.max_streams} * options.max_inflight_batches + 4096;
-  d->executor_ = std::make_unique<StepExecutor>(engine_threads, queue_capacity);
-  if (options.allow_shm_scores) {
-    ScoreRegionsOptions regions;
-    regions.max_regions = options.max_score_regions;
-    const kernels::KernelBackend* engine = table_options.engine_backend;
-    const bool device_engine = engine != nullptr && engine->memory != kernels::MemorySpace::kHost;
-    d->created_region_budget_ = std::make_unique<ByteBudget>(
-        options.max_created_score_region_bytes, "--max_created_score_region_bytes",
-        // Host regions are the daemon's memory like any other; device ones are not.
-        IsCudaEngine(engine) ? nullptr : d->table_->memory_budget(),
-        "the daemon's created score regions");
-    regions.created_budget = d->created_region_budget_.get();
-    regions.created_in_backend = device_engine;
-    regions.created_name_prefix = absl::StrCat("/kvcached-", getpid(), "-scores");
-    regions.allocate = ScoreRegionAllocatorFor(engine, options.engine_device);
-    regions.max_rank = options.max_tp_world_size;
-    d->regions_ = std::make_unique<ScoreRegions>(regions);
-  }
-  d->table_gauges_ = std::make_shared<TableGauges>(d->table_.get());
-  d->limit_gauges_ = std::make_shared<LimitGauges>(d->table_->memory_budget());
+      int64_t{options_.max_streams} * options_.max_inflight_batches + 4096;
+  executor_ = std::make_unique<StepExecutor>(engine_threads, queue_capacity);
+}
 
-  if (!options.metrics_listen.empty()) {
-    // prometheus-cpp reports bind failures by throwing; keep that inside this module.
-    try {
-      d->exposer_ = std::make_unique<prometheus::Exposer>(
-          options.metrics_listen, static_cast<size_t>(options.metrics_threads));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ",
-                                                 options.metrics_listen, ": ", e.what()));
-    }
-    d->exposer_->RegisterCollectable(d->metrics_->registry());
-    d->exposer_->RegisterCollectable(d->table_gauges_);
-    d->exposer_->RegisterCollectable(d->pool_gauges_);
-    d->exposer_->RegisterCollectable(d->kv_event_gauges_);
-    d->exposer_->RegisterCollectable(d->limit_gauges_);
-    const std::vector<int> ports = d->exposer_->GetListeningPorts();
-    d->metrics_address_ =
-        ports.empty() ? options.metrics_listen : WithPort(options.metrics_listen, ports[0]);
-  }
+void Daemon::CreateScoreRegions() {
+  const EngineBackend engine = options_.ResolvedEngineBackend();
+  created_region_budget_ = std::make_unique<ByteBudget>(
+      options_.max_created_score_region_bytes, "--max_created_score_region_bytes",
+      // Host regions are the daemon's memory like any other; device ones are not.
+      engine == EngineBackend::kCuda ? nullptr : table_->memory_budget(),
+      "the daemon's created score regions");
+  ScoreRegionsOptions regions;
+  regions.max_regions = options_.max_score_regions;
+  regions.created_budget = created_region_budget_.get();
+  regions.created_in_backend = engine_memory_ != kernels::MemorySpace::kHost;
+  regions.created_name_prefix = absl::StrCat("/kvcached-", getpid(), "-scores");
+  regions.allocate = ScoreRegionAllocatorFor(engine, options_.engine_device);
+  regions.max_rank = options_.max_tp_world_size;
+  regions_ = std::make_unique<ScoreRegions>(regions);
+}
 
-  if (!options.auth_tokens_file.empty()) {
-    ASSIGN_OR_RETURN(TokenSet tokens, ReadTokensFile(options.auth_tokens_file));
+absl::Status Daemon::ServeMetrics() {
+  if (options_.metrics_listen.empty()) return absl::OkStatus();
+  // prometheus-cpp reports bind failures by throwing; keep that inside this module.
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(
+        options_.metrics_listen, static_cast<size_t>(options_.metrics_threads));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", options_.metrics_listen, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(metrics_->registry());
+  exposer_->RegisterCollectable(table_gauges_);
+  exposer_->RegisterCollectable(pool_gauges_);
+  exposer_->RegisterCollectable(kv_event_gauges_);
+  exposer_->RegisterCollectable(limit_gauges_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  metrics_address_ =
+      ports.empty() ? options_.metrics_listen : WithPort(options_.metrics_listen, ports[0]);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::ServeGrpc() {
+  if (!options_.auth_tokens_file.empty()) {
+    ASSIGN_OR_RETURN(TokenSet tokens, ReadTokensFile(options_.auth_tokens_file));
     std::fprintf(stderr, "kvcached: %zu bearer token(s) from --auth_tokens_file\n",
                  tokens.size());
-    d->tokens_ = std::make_unique<BearerTokens>(std::move(tokens));
+    tokens_ = std::make_unique<BearerTokens>(std::move(tokens));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                   ServerCredentialsFor(options));
-  const bool unix_socket = absl::StartsWith(options.listen, "unix:");
+                   ServerCredentialsFor(options_));
+  const bool unix_socket = absl::StartsWith(options_.listen, "unix:");
   gid_t listen_gid = static_cast<gid_t>(-1);
-  if (!options.listen_group.empty()) {
-    if (!unix_socket) {
-      return absl::InvalidArgumentError("--listen_group applies to a unix: --listen only");
-    }
-    ASSIGN_OR_RETURN(listen_gid, GroupId(options.listen_group));
+  if (!options_.listen_group.empty()) {
+    ASSIGN_OR_RETURN(listen_gid, GroupId(options_.listen_group));
   }
-  d->service_ = std::make_unique<KvCacheService>(options, d->table_.get(), d->pools_.get(),
-                                                 d->executor_.get(), d->regions_.get(),
-                                                 d->metrics_.get(), d->tokens_.get());
-  d->health_ = std::make_unique<HealthService>();
+  service_ = std::make_unique<KvCacheService>(options_, table_.get(), pools_.get(),
+                                              executor_.get(), regions_.get(), metrics_.get(),
+                                              tokens_.get());
+  health_ = std::make_unique<HealthService>();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
   if (unix_socket) {
-    builder.AddListeningPort(options.listen, credentials, &port);
+    builder.AddListeningPort(options_.listen, credentials, &port);
   } else {
     // Our own accept loop (server/tcp_listener.h): a connection limit, and no wedge after
     // an EMFILE. The TLS handshake, if any, is gRPC's, on the fds it is handed.
-    ASSIGN_OR_RETURN(d->tcp_listener_, TcpListener::Bind(options.listen, options.max_connections));
-    d->limit_gauges_->SetListener(d->tcp_listener_.get());
+    ASSIGN_OR_RETURN(tcp_listener_, TcpListener::Bind(options_.listen, options_.max_connections));
+    limit_gauges_->SetListener(tcp_listener_.get());
     acceptor = builder.experimental().AddExternalConnectionAcceptor(
         grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   }
-  builder.RegisterService(d->service_.get());
-  builder.RegisterService(d->health_.get());
-  // The reflection service of gRPC 1.51 is synchronous: its pollers notice a shutdown only
-  // when their completion-queue wait times out (10 s by default), which held every drain.
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 100);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(options.keepalive_time));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(options.keepalive_timeout));
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  // Accept client pings as often as our own keepalive interval.
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             Millis(options.keepalive_time));
-  // Step batches are megabytes of scores: large HTTP/2 frames and socket reads cut the
-  // per-frame and per-syscall work of receiving them.
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
-  builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 8 << 20);
+  builder.RegisterService(service_.get());
+  builder.RegisterService(health_.get());
+  ConfigureGrpcServer(&builder);
   {
     // gRPC makes the socket file with the process's umask: make it 0660 from its first
     // moment (not world-writable), then give it to --listen_group.
     const mode_t umask_before = unix_socket ? umask(0117) : 0;
-    d->server_ = builder.BuildAndStart();
+    server_ = builder.BuildAndStart();
     if (unix_socket) umask(umask_before);
   }
-  if (unix_socket && d->server_ != nullptr) {
-    RETURN_IF_ERROR(SecureSocketFile(options.listen.substr(5), listen_gid));
+  if (unix_socket && server_ != nullptr) {
+    RETURN_IF_ERROR(SecureSocketFile(options_.listen.substr(5), listen_gid));
   }
-  if (d->tcp_listener_ != nullptr && d->server_ != nullptr) {
-    port = d->tcp_listener_->port();
-    d->tcp_listener_->Start(std::move(acceptor));
+  if (tcp_listener_ != nullptr && server_ != nullptr) {
+    port = tcp_listener_->port();
+    tcp_listener_->Start(std::move(acceptor));
   }
-  if (d->server_ == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options.listen));
+  if (server_ == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options_.listen));
   }
-  d->grpc_address_ = WithPort(options.listen, port);
-  // Before the restored snapshot goes: a start that fails here keeps it for the next.
-  RETURN_IF_ERROR(d->StartHealthServer());
-  if (!d->restored_snapshot_path_.empty()) {
+  grpc_address_ = WithPort(options_.listen, port);
+  return absl::OkStatus();
+}
+
+void Daemon::ConfigureGrpcServer(grpc::ServerBuilder* builder) const {
+  // The reflection service of gRPC 1.51 is synchronous: its pollers notice a shutdown only
+  // when their completion-queue wait times out (10 s by default), which held every drain.
+  builder->SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 100);
+  builder->SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
+  builder->SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, Millis(options_.keepalive_time));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, Millis(options_.keepalive_timeout));
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Accept client pings as often as our own keepalive interval.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                              Millis(options_.keepalive_time));
+  // Step batches are megabytes of scores: large HTTP/2 frames and socket reads cut the
+  // per-frame and per-syscall work of receiving them.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
+  builder->AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20);
+  builder->AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 8 << 20);
+}
+
+void Daemon::StartServing() {
+  if (!restored_snapshot_path_.empty()) {
     // Restored and serving: a later crash must not bring this state back.
-    if (std::remove(d->restored_snapshot_path_.c_str()) != 0) {
+    if (std::remove(restored_snapshot_path_.c_str()) != 0) {
       std::fprintf(stderr, "kvcached: ERROR: cannot remove the restored snapshot %s: %s\n",
-                   d->restored_snapshot_path_.c_str(), std::strerror(errno));
+                   restored_snapshot_path_.c_str(), std::strerror(errno));
     }
   }
-  d->serving_ = true;
-  d->ForEachHealth([](HealthService& health) { health.SetServing(true); });
-  d->metrics_->SetServing(true);
-  d->reclaimer_ = std::thread([daemon = d.get()] { daemon->ReclaimLoop(); });
-  if (options.listener_probe_interval > absl::ZeroDuration()) {
-    d->prober_ = std::thread([daemon = d.get()] { daemon->ProbeLoop(); });
+  serving_ = true;
+  ForEachHealth([](HealthService& health) { health.SetServing(true); });
+  metrics_->SetServing(true);
+  reclaimer_ = std::thread([this] { ReclaimLoop(); });
+  if (options_.listener_probe_interval > absl::ZeroDuration()) {
+    prober_ = std::thread([this] { ProbeLoop(); });
   }
-  return d;
 }
 
 absl::Status Daemon::StartHealthServer() {
+  // A unix: address was refused by ServerOptions::Validate.
   if (options_.health_listen.empty()) return absl::OkStatus();
-  if (absl::StartsWith(options_.health_listen, "unix:")) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--health_listen=", options_.health_listen, ": give a host:port (it exists for probes "
-        "that dial a TCP port)"));
-  }
   // Its own server, so that nothing but health is ever served without the credentials of
   // --listen; its own HealthService instance, because gRPC registers a service on one
   // server only. ForEachHealth keeps the two saying the same.

@@ -6,6 +6,7 @@
 #define KVCM_SERVER_DAEMON_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -13,15 +14,19 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "cache_manager/mutex.h"
-#include "cache_manager/sequence_table.h"
-#include "cache_manager/step_executor.h"
+#include "cache_manager/base/byte_budget.h"
+#include "cache_manager/base/mutex.h"
+#include "cache_manager/persist/snapshot.h"
+#include "cache_manager/table/sequence_table.h"
+#include "cache_manager/table/step_executor.h"
+#include "kernels/backend.h"
 #include "server/metrics.h"
-#include "server/score_regions.h"
+#include "cache_manager/kv/score_regions.h"
 #include "server/server_options.h"
 
 namespace grpc {
 class Server;
+class ServerBuilder;
 }
 namespace prometheus {
 class Exposer;
@@ -36,6 +41,9 @@ class TcpListener;
 
 class Daemon {
  public:
+  // Checks `options` first (ServerOptions::Validate: INVALID_ARGUMENT naming the flag),
+  // then restores --state_dir's snapshot, creates the pools, the engine and the score
+  // regions, serves metrics and gRPC, and starts the housekeeping threads.
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const ServerOptions& options,
                                                        const BuildInfo& build);
   ~Daemon();
@@ -65,6 +73,24 @@ class Daemon {
 
  private:
   explicit Daemon(const ServerOptions& options);
+  // Start's phases, in order (after ServerOptions::Validate and reading --state_dir's
+  // snapshot). The pools: re-attached from `snapshot` when it names them (reset when that
+  // fails: the snapshot is set aside), else new; the sweep of dead instances' memory.
+  absl::Status CreatePools(std::optional<EngineSnapshot>* snapshot);
+  // The sequence table on its kernel backend, with the KV event log and the gauges.
+  absl::Status CreateEngine();
+  // The snapshot's sequences into the table (failures are logged, not fatal).
+  void RestoreSequences(const EngineSnapshot& snapshot);
+  void CreateExecutor();
+  // With --allow_shm_scores.
+  void CreateScoreRegions();
+  // The Prometheus exposer, with --metrics_listen.
+  absl::Status ServeMetrics();
+  // Tokens, credentials, the service and its listener; the server started.
+  absl::Status ServeGrpc();
+  void ConfigureGrpcServer(grpc::ServerBuilder* builder) const;
+  // Health SERVING, and the reclaimer and prober threads.
+  void StartServing();
   void ReclaimLoop();
   // Probes the listener every listener_probe_interval and tells health what it found.
   void ProbeLoop();
@@ -106,6 +132,7 @@ class Daemon {
   std::string grpc_address_;
   std::string metrics_address_;
   std::string engine_name_ = "cpu";
+  kernels::MemorySpace engine_memory_ = kernels::MemorySpace::kHost;
   absl::Notification stop_reclaimer_;
   std::thread reclaimer_;
   absl::Notification stop_prober_;

@@ -21,7 +21,8 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "cache_manager/kv_storage.h"
+#include "cache_manager/base/status_macros.h"
+#include "cache_manager/kv/kv_storage.h"
 #include "server/daemon.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -191,15 +192,97 @@ bool WritePortFile(const std::string& path, const kvcm::server::Daemon& daemon) 
   return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
-}  // namespace
+// The flags of the network, the limits and the timeouts.
+void ServiceFlags(kvcm::server::ServerOptions* options) {
+  options->listen = absl::GetFlag(FLAGS_listen);
+  options->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options->health_listen = absl::GetFlag(FLAGS_health_listen);
+  options->max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options->max_tp_world_size = absl::GetFlag(FLAGS_max_tp_world_size);
+  options->max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options->max_streams = absl::GetFlag(FLAGS_max_streams);
+  options->idle_timeout = absl::GetFlag(FLAGS_idle_timeout);
+  options->drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
+  options->tp_join_timeout = absl::GetFlag(FLAGS_tp_join_timeout);
+  options->keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  options->keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  options->max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  options->memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_bytes);
+  options->stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  options->max_connections = absl::GetFlag(FLAGS_max_connections);
+  options->listener_probe_interval = absl::GetFlag(FLAGS_listener_probe_interval);
+  options->listener_probe_timeout = absl::GetFlag(FLAGS_listener_probe_timeout);
+  options->tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  options->tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  options->tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
+  options->auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options->listen_group = absl::GetFlag(FLAGS_listen_group);
+  options->tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
+  options->tenant_memory_share = absl::GetFlag(FLAGS_tenant_memory_share);
+}
 
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("the KV-cache eviction daemon: kvcached [--listen=ADDR] ...");
-  absl::ParseCommandLine(argc, argv);
+// The flags of the step path: engine threads, score regions, KV events, diagnostics.
+void StepPathFlags(kvcm::server::ServerOptions* options) {
+  options->engine_threads = absl::GetFlag(FLAGS_engine_threads);
+  options->max_inflight_batches = absl::GetFlag(FLAGS_max_inflight_batches);
+  options->max_pending_join_bytes = absl::GetFlag(FLAGS_max_pending_join_bytes);
+  options->allow_shm_scores = absl::GetFlag(FLAGS_allow_shm_scores);
+  options->max_score_regions = absl::GetFlag(FLAGS_max_score_regions);
+  options->max_created_score_region_bytes = absl::GetFlag(FLAGS_max_created_score_region_bytes);
+  options->kv_events_ring = absl::GetFlag(FLAGS_kv_events_ring);
+  options->kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
+  options->diagnostics_every = absl::GetFlag(FLAGS_diagnostics_every);
+  options->diagnostics_sample = absl::GetFlag(FLAGS_diagnostics_sample);
+  options->state_dir = absl::GetFlag(FLAGS_state_dir);
+}
 
-  // Step batches arrive as megabyte buffers many times a second. glibc's defaults would
-  // map each one fresh and hand it back, page-faulting it in again on every batch (a
-  // fifth of the daemon's CPU under load); keep such memory in the heap instead.
+// The flags of the KV pools and of the engine's backend; the named ones must parse.
+absl::Status PoolAndEngineFlags(kvcm::server::ServerOptions* options) {
+  ASSIGN_OR_RETURN(options->backend, kvcm::server::KvBackendFromFlag(absl::GetFlag(FLAGS_backend)));
+  ASSIGN_OR_RETURN(options->engine_backend,
+                   kvcm::server::EngineBackendFromFlag(absl::GetFlag(FLAGS_engine_backend)));
+  ASSIGN_OR_RETURN(options->kv_layout.dtype,
+                   kvcm::server::KvDtypeFromFlag(absl::GetFlag(FLAGS_kv_dtype)));
+  options->engine_device = absl::GetFlag(FLAGS_engine_device);
+  options->pool_memory_bytes = absl::GetFlag(FLAGS_pool_memory_bytes);
+  options->tp_ranks = absl::GetFlag(FLAGS_tp_ranks);
+  options->kv_layout.layers = absl::GetFlag(FLAGS_kv_layers);
+  options->kv_layout.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  options->kv_layout.head_dim = absl::GetFlag(FLAGS_kv_head_dim);
+  options->kv_layout.tokens_per_block = absl::GetFlag(FLAGS_kv_tokens_per_block);
+  options->kv_shared_memory = absl::GetFlag(FLAGS_kv_shared_memory);
+  return absl::OkStatus();
+}
+
+// --max_connections 0 means what the file-descriptor limit leaves for connections (a
+// fact of this process, hence here and not in the options' checks).
+void ApplyFdLimit(kvcm::server::ServerOptions* options) {
+  const int64_t fd_limit = RaiseFdLimit();
+  const int64_t fd_budget = std::max<int64_t>(fd_limit / 2, fd_limit - kReservedFds);
+  if (options->max_connections == 0) options->max_connections = fd_budget;
+  if (options->max_connections > fd_budget) {
+    std::fprintf(stderr,
+                 "kvcached: warning: --max_connections=%lld exceeds the %lld descriptors the "
+                 "fd limit leaves for connections; past them connections are refused anyway\n",
+                 static_cast<long long>(options->max_connections),
+                 static_cast<long long>(fd_budget));
+  }
+}
+
+// Every flag into the options; Daemon::Start checks their values.
+absl::StatusOr<kvcm::server::ServerOptions> OptionsFromFlags() {
+  kvcm::server::ServerOptions options;
+  ServiceFlags(&options);
+  StepPathFlags(&options);
+  RETURN_IF_ERROR(PoolAndEngineFlags(&options));
+  ApplyFdLimit(&options);
+  return options;
+}
+
+// Step batches arrive as megabyte buffers many times a second. glibc's defaults would
+// map each one fresh and hand it back, page-faulting it in again on every batch (a
+// fifth of the daemon's CPU under load); keep such memory in the heap instead.
+void TuneMalloc() {
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 128 << 20);
   mallopt(M_TOP_PAD, 64 << 20);
@@ -208,6 +291,38 @@ int main(int argc, char** argv) {
   // default of 8 arenas per core, and stays near 100 MB with two. The step path itself
   // allocates nothing in steady state, so few arenas cost it no contention.
   mallopt(M_ARENA_MAX, 2);
+}
+
+kvcm::server::BuildInfo ThisBuild() {
+  kvcm::server::BuildInfo build;
+  build.version = KVCM_VERSION;
+#ifdef KVCM_HAS_CUDA
+  build.cuda = true;
+#endif
+#ifdef KVCM_HAS_NCCL
+  build.nccl = true;
+#endif
+  return build;
+}
+
+// Until SIGTERM or SIGINT (returned); SIGHUP reloads the tokens.
+int WaitForStop(const sigset_t& stop_signals, kvcm::server::Daemon& daemon) {
+  int signal_number = 0;
+  while (sigwait(&stop_signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    if (absl::Status reloaded = daemon.ReloadAuthTokens(); !reloaded.ok()) {
+      std::fprintf(stderr, "kvcached: SIGHUP: kept the tokens in force: %s\n",
+                   std::string(reloaded.message()).c_str());
+    }
+  }
+  return signal_number;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("the KV-cache eviction daemon: kvcached [--listen=ADDR] ...");
+  absl::ParseCommandLine(argc, argv);
+  TuneMalloc();
 
   // Block the stop signals (and SIGHUP, the tokens' reload) in every thread, gRPC's
   // included, and wait for them here.
@@ -219,156 +334,10 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   InstallCrashCleanup();
 
-  kvcm::server::ServerOptions options;
-  options.listen = absl::GetFlag(FLAGS_listen);
-  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  options.health_listen = absl::GetFlag(FLAGS_health_listen);
-  options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
-  options.max_tp_world_size = absl::GetFlag(FLAGS_max_tp_world_size);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  options.max_streams = absl::GetFlag(FLAGS_max_streams);
-  options.idle_timeout = absl::GetFlag(FLAGS_idle_timeout);
-  options.drain_deadline = absl::GetFlag(FLAGS_drain_deadline);
-  options.tp_join_timeout = absl::GetFlag(FLAGS_tp_join_timeout);
-  options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
-  options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
-  const std::optional<kvcm::server::KvBackend> backend =
-      kvcm::server::ParseKvBackend(absl::GetFlag(FLAGS_backend));
-  if (!backend) {
-    std::fprintf(stderr, "kvcached: --backend is '%s'; it must be host or cuda\n",
-                 absl::GetFlag(FLAGS_backend).c_str());
-    return 2;
-  }
-  options.backend = *backend;
-  const std::optional<kvcm::server::EngineBackend> engine =
-      kvcm::server::ParseEngineBackend(absl::GetFlag(FLAGS_engine_backend));
-  if (!engine) {
-    std::fprintf(stderr,
-                 "kvcached: --engine_backend is '%s'; it must be auto, cpu, cuda or emulated\n",
-                 absl::GetFlag(FLAGS_engine_backend).c_str());
-    return 2;
-  }
-  options.engine_backend = *engine;
-  options.engine_device = absl::GetFlag(FLAGS_engine_device);
-  options.pool_memory_bytes = absl::GetFlag(FLAGS_pool_memory_bytes);
-  options.tp_ranks = absl::GetFlag(FLAGS_tp_ranks);
-  options.kv_layout.layers = absl::GetFlag(FLAGS_kv_layers);
-  options.kv_layout.kv_heads = absl::GetFlag(FLAGS_kv_heads);
-  options.kv_layout.head_dim = absl::GetFlag(FLAGS_kv_head_dim);
-  options.kv_layout.tokens_per_block = absl::GetFlag(FLAGS_kv_tokens_per_block);
-  options.kv_shared_memory = absl::GetFlag(FLAGS_kv_shared_memory);
-  options.engine_threads = absl::GetFlag(FLAGS_engine_threads);
-  options.max_inflight_batches = absl::GetFlag(FLAGS_max_inflight_batches);
-  options.max_pending_join_bytes = absl::GetFlag(FLAGS_max_pending_join_bytes);
-  options.allow_shm_scores = absl::GetFlag(FLAGS_allow_shm_scores);
-  options.max_score_regions = absl::GetFlag(FLAGS_max_score_regions);
-  options.max_created_score_region_bytes = absl::GetFlag(FLAGS_max_created_score_region_bytes);
-  options.kv_events_ring = absl::GetFlag(FLAGS_kv_events_ring);
-  options.kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
-  if (options.kv_events_ring < 0 || options.kv_events_ring > (int64_t{1} << 24) ||
-      options.kv_events_max_subscribers < 1) {
-    std::fprintf(stderr,
-                 "kvcached: --kv_events_ring must be 0 to 16777216, "
-                 "--kv_events_max_subscribers >= 1\n");
-    return 2;
-  }
-  options.state_dir = absl::GetFlag(FLAGS_state_dir);
-  options.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
-  options.listener_probe_interval = absl::GetFlag(FLAGS_listener_probe_interval);
-  options.listener_probe_timeout = absl::GetFlag(FLAGS_listener_probe_timeout);
-  if (options.stream_idle_timeout < absl::ZeroDuration() ||
-      options.listener_probe_interval < absl::ZeroDuration() ||
-      options.listener_probe_timeout <= absl::ZeroDuration()) {
-    std::fprintf(stderr,
-                 "kvcached: --stream_idle_timeout and --listener_probe_interval must be >= 0, "
-                 "--listener_probe_timeout > 0\n");
-    return 2;
-  }
-  const int64_t fd_limit = RaiseFdLimit();
-  const int64_t fd_budget = std::max<int64_t>(fd_limit / 2, fd_limit - kReservedFds);
-  options.max_connections = absl::GetFlag(FLAGS_max_connections);
-  if (options.max_connections < 0) {
-    std::fprintf(stderr, "kvcached: --max_connections must be >= 0\n");
-    return 2;
-  }
-  if (options.max_connections == 0) options.max_connections = fd_budget;
-  if (options.max_connections > fd_budget) {
-    std::fprintf(stderr,
-                 "kvcached: warning: --max_connections=%lld exceeds the %lld descriptors the "
-                 "fd limit leaves for connections; past them connections are refused anyway\n",
-                 static_cast<long long>(options.max_connections),
-                 static_cast<long long>(fd_budget));
-  }
-  options.diagnostics_every = absl::GetFlag(FLAGS_diagnostics_every);
-  options.diagnostics_sample = absl::GetFlag(FLAGS_diagnostics_sample);
-  if (options.diagnostics_every < 0 ||
-      !(options.diagnostics_sample >= 0 && options.diagnostics_sample <= 1)) {
-    std::fprintf(stderr,
-                 "kvcached: --diagnostics_every must be >= 0 and --diagnostics_sample 0 to 1\n");
-    return 2;
-  }
-  const std::string kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
-  if (kv_dtype == "float16") {
-    options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat16;
-  } else if (kv_dtype == "bfloat16") {
-    options.kv_layout.dtype = kvcm::kernels::KvDtype::kBFloat16;
-  } else if (kv_dtype == "float32") {
-    options.kv_layout.dtype = kvcm::kernels::KvDtype::kFloat32;
-  } else {
-    std::fprintf(stderr, "kvcached: --kv_dtype must be float16, bfloat16 or float32\n");
-    return 2;
-  }
-  if (options.engine_threads < 0 || options.engine_threads > 1024 ||
-      options.max_inflight_batches < 1 || options.max_inflight_batches > 1024 ||
-      options.max_pending_join_bytes < 0 || options.max_score_regions < 1 ||
-      options.max_created_score_region_bytes < 0) {
-    std::fprintf(stderr,
-                 "kvcached: --engine_threads must be 0 to 1024, --max_inflight_batches 1 to "
-                 "1024, --max_pending_join_bytes >= 0, --max_score_regions >= 1, "
-                 "--max_created_score_region_bytes >= 0\n");
-    return 2;
-  }
-  options.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
-  options.memory_limit_bytes = absl::GetFlag(FLAGS_memory_limit_bytes);
-  if (options.max_sequence_tokens < 1 || options.max_sequence_tokens > (int64_t{1} << 40) ||
-      options.memory_limit_bytes < 1) {
-    std::fprintf(stderr,
-                 "kvcached: --max_sequence_tokens must be 1 to 2^40, --memory_limit_bytes >= 1\n");
-    return 2;
-  }
-  if (options.max_sequences < 1 || options.max_streams < 1 || options.max_tp_world_size < 1 ||
-      options.max_message_bytes < 1024 || options.max_message_bytes > (int64_t{1} << 31) - 1) {
-    std::fprintf(stderr,
-                 "kvcached: --max_sequences, --max_streams and --max_tp_world_size must be >= 1, "
-                 "--max_message_bytes 1024 to 2147483647\n");
-    return 2;
-  }
-
-  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
-  options.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
-  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file);
-  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
-  options.listen_group = absl::GetFlag(FLAGS_listen_group);
-  options.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
-  options.tenant_memory_share = absl::GetFlag(FLAGS_tenant_memory_share);
-  if (options.tenant_max_sequences < 0 ||
-      !(options.tenant_memory_share > 0 && options.tenant_memory_share <= 1)) {
-    std::fprintf(stderr,
-                 "kvcached: --tenant_max_sequences must be >= 0, --tenant_memory_share in "
-                 "(0, 1]\n");
-    return 2;
-  }
-
-  kvcm::server::BuildInfo build;
-  build.version = KVCM_VERSION;
-#ifdef KVCM_HAS_CUDA
-  build.cuda = true;
-#endif
-#ifdef KVCM_HAS_NCCL
-  build.nccl = true;
-#endif
+  absl::StatusOr<kvcm::server::ServerOptions> options = OptionsFromFlags();
   absl::StatusOr<std::unique_ptr<kvcm::server::Daemon>> daemon =
-      kvcm::server::Daemon::Start(options, build);
+      options.ok() ? kvcm::server::Daemon::Start(*options, ThisBuild())
+                   : absl::StatusOr<std::unique_ptr<kvcm::server::Daemon>>(options.status());
   if (!daemon.ok()) {
     std::fprintf(stderr, "kvcached: %s\n", std::string(daemon.status().message()).c_str());
     return daemon.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
@@ -383,17 +352,11 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  int signal_number = 0;
-  while (sigwait(&stop_signals, &signal_number) == 0 && signal_number == SIGHUP) {
-    if (absl::Status reloaded = (*daemon)->ReloadAuthTokens(); !reloaded.ok()) {
-      std::fprintf(stderr, "kvcached: SIGHUP: kept the tokens in force: %s\n",
-                   std::string(reloaded.message()).c_str());
-    }
-  }
+  const int signal_number = WaitForStop(stop_signals, **daemon);
   std::fprintf(stderr, "kvcached: %s: draining (deadline %s)\n",
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
-               absl::FormatDuration(options.drain_deadline).c_str());
-  (*daemon)->Drain(options.drain_deadline);
+               absl::FormatDuration(options->drain_deadline).c_str());
+  (*daemon)->Drain(options->drain_deadline);
   std::fprintf(stderr, "kvcached: stopped\n");
   std::fflush(nullptr);
   // Every call has ended and nothing is left to save. Skip the teardown: stopping the

@@ -4,7 +4,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "cache_manager/policy.h"
+#include "cache_manager/policy/policy.h"
 #include "server/tcp_listener.h"
 
 namespace kvcm::server {
@@ -45,6 +45,20 @@ const prometheus::Histogram::BucketBoundaries& FractionBuckets() {
   return *buckets;
 }
 
+// A registered family of `r`; the series are added by the callers.
+prometheus::Family<prometheus::Counter>& RegisterCounters(prometheus::Registry& r,
+                                                       const char* name, const char* help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(r);
+}
+prometheus::Family<prometheus::Gauge>& RegisterGauges(prometheus::Registry& r, const char* name,
+                                                   const char* help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(r);
+}
+prometheus::Family<prometheus::Histogram>& RegisterHistograms(prometheus::Registry& r,
+                                                           const char* name, const char* help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r);
+}
+
 std::vector<std::string> PolicyLabels() {
   std::vector<std::string> labels;
   for (absl::string_view preset : Policy::PresetNames()) labels.emplace_back(preset);
@@ -70,89 +84,43 @@ absl::string_view PolicyLabel(absl::string_view preset) {
 
 ServerMetrics::ServerMetrics(const BuildInfo& build)
     : registry_(std::make_shared<prometheus::Registry>()) {
+  AddProcessSeries(build);
+  AddPolicySeries();
+  AddDiagnosticsSeries();
+  AddRpcSeries();
+  AddStepPathSeries();
+}
+
+void ServerMetrics::AddProcessSeries(const BuildInfo& build) {
   prometheus::Registry& r = *registry_;
-  prometheus::BuildGauge()
-      .Name("kvcache_build_info")
-      .Help("Always 1; the build's version and whether CUDA and NCCL are compiled in")
-      .Register(r)
+  RegisterGauges(r, "kvcache_build_info",
+              "Always 1; the build's version and whether CUDA and NCCL are compiled in")
       .Add({{"version", build.version},
             {"cuda", build.cuda ? "true" : "false"},
             {"nccl", build.nccl ? "true" : "false"}})
       .Set(1);
-  serving_ = &prometheus::BuildGauge()
-                  .Name("kvcache_serving")
-                  .Help("1 while health is SERVING, 0 while draining or not ready")
-                  .Register(r)
+  serving_ = &RegisterGauges(r, "kvcache_serving",
+                          "1 while health is SERVING, 0 while draining or not ready")
                   .Add({});
-  streams_open_ = &prometheus::BuildGauge()
-                       .Name("kvcache_streams_open")
-                       .Help("Step streams currently open")
-                       .Register(r)
-                       .Add({});
+  streams_open_ = &RegisterGauges(r, "kvcache_streams_open", "Step streams currently open").Add({});
+}
 
-  auto& opened = prometheus::BuildCounter()
-                     .Name("kvcache_sequences_opened_total")
-                     .Help("Sequences opened")
-                     .Register(r);
-  auto& closed = prometheus::BuildCounter()
-                     .Name("kvcache_sequences_closed_total")
-                     .Help("Sequences closed, by the client or after the idle timeout")
-                     .Register(r);
-  auto& steps = prometheus::BuildCounter()
-                    .Name("kvcache_steps_total")
-                    .Help("Decode steps decided")
-                    .Register(r);
-  auto& scoring = prometheus::BuildCounter()
-                      .Name("kvcache_scoring_steps_total")
-                      .Help("Steps that took scores")
-                      .Register(r);
-  auto& skipped = prometheus::BuildCounter()
-                      .Name("kvcache_skipped_scoring_steps_total")
-                      .Help("Steps of a score-using policy that needed no scores")
-                      .Register(r);
-  auto& ignored = prometheus::BuildCounter()
-                      .Name("kvcache_ignored_score_reports_total")
-                      .Help("Steps that carried scores nobody needed")
-                      .Register(r);
-  auto& evicted = prometheus::BuildCounter()
-                      .Name("kvcache_tokens_evicted_total")
-                      .Help("Tokens evicted")
-                      .Register(r);
-  auto& decision = prometheus::BuildHistogram()
-                       .Name("kvcache_step_decision_seconds")
-                       .Help("Engine time to decide one sequence's step")
-                       .Register(r);
-  auto& diag_steps = prometheus::BuildCounter()
-                         .Name("kvcache_diag_steps_total")
-                         .Help("Scoring steps measured by the eviction-quality diagnostics")
-                         .Register(r);
-  auto& diag_small = prometheus::BuildCounter()
-                         .Name("kvcache_diag_small_change_steps_total")
-                         .Help("Measured steps where at most one token entered the momentum top-k")
-                         .Register(r);
-  auto& diag_evicted = prometheus::BuildCounter()
-                           .Name("kvcache_diag_evicted_total")
-                           .Help("Tokens evicted on measured steps")
-                           .Register(r);
-  auto& diag_relevant = prometheus::BuildCounter()
-                            .Name("kvcache_diag_evicted_relevant_total")
-                            .Help("Tokens evicted on measured steps while in the step's raw top-k")
-                            .Register(r);
-  auto& diag_raw_churn = prometheus::BuildHistogram()
-                             .Name("kvcache_diag_raw_topk_churn")
-                             .Help("1 - Jaccard of the raw top-k of consecutive scoring steps")
-                             .Register(r);
-  auto& diag_momentum_churn = prometheus::BuildHistogram()
-                                  .Name("kvcache_diag_momentum_topk_churn")
-                                  .Help("1 - Jaccard of the momentum top-k of consecutive "
-                                        "scoring steps")
-                                  .Register(r);
-  auto& diag_jaccard = prometheus::BuildHistogram()
-                           .Name("kvcache_diag_raw_momentum_jaccard")
-                           .Help("Jaccard of a step's raw top-k with its momentum top-k")
-                           .Register(r);
+void ServerMetrics::AddPolicySeries() {
+  prometheus::Registry& r = *registry_;
+  auto& opened = RegisterCounters(r, "kvcache_sequences_opened_total", "Sequences opened");
+  auto& closed = RegisterCounters(r, "kvcache_sequences_closed_total",
+                               "Sequences closed, by the client or after the idle timeout");
+  auto& steps = RegisterCounters(r, "kvcache_steps_total", "Decode steps decided");
+  auto& scoring = RegisterCounters(r, "kvcache_scoring_steps_total", "Steps that took scores");
+  auto& skipped = RegisterCounters(r, "kvcache_skipped_scoring_steps_total",
+                                "Steps of a score-using policy that needed no scores");
+  auto& ignored = RegisterCounters(r, "kvcache_ignored_score_reports_total",
+                                "Steps that carried scores nobody needed");
+  auto& evicted = RegisterCounters(r, "kvcache_tokens_evicted_total", "Tokens evicted");
+  auto& decision = RegisterHistograms(r, "kvcache_step_decision_seconds",
+                                   "Engine time to decide one sequence's step");
   for (const std::string& label : PolicyLabels()) {
-    PolicySeries s;
+    PolicySeries s{};
     s.opened = &opened.Add({{"policy", label}});
     s.closed_client = &closed.Add({{"policy", label}, {"reason", "client"}});
     s.closed_idle = &closed.Add({{"policy", label}, {"reason", "idle_timeout"}});
@@ -165,6 +133,36 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
     s.ignored = &ignored.Add({{"policy", label}});
     s.evicted = &evicted.Add({{"policy", label}});
     s.decision_seconds = &decision.Add({{"policy", label}}, LatencyBuckets());
+    policies_.push_back(s);
+  }
+}
+
+void ServerMetrics::AddDiagnosticsSeries() {
+  prometheus::Registry& r = *registry_;
+  auto& diag_steps = RegisterCounters(r, "kvcache_diag_steps_total",
+                                   "Scoring steps measured by the eviction-quality diagnostics");
+  auto& diag_small =
+      RegisterCounters(r, "kvcache_diag_small_change_steps_total",
+                    "Measured steps where at most one token entered the momentum top-k");
+  auto& diag_evicted =
+      RegisterCounters(r, "kvcache_diag_evicted_total", "Tokens evicted on measured steps");
+  auto& diag_relevant =
+      RegisterCounters(r, "kvcache_diag_evicted_relevant_total",
+                    "Tokens evicted on measured steps while in the step's raw top-k");
+  auto& diag_raw_churn =
+      RegisterHistograms(r, "kvcache_diag_raw_topk_churn",
+                      "1 - Jaccard of the raw top-k of consecutive scoring steps");
+  auto& diag_momentum_churn =
+      RegisterHistograms(r, "kvcache_diag_momentum_topk_churn",
+                      "1 - Jaccard of the momentum top-k of consecutive scoring steps");
+  auto& diag_jaccard =
+      RegisterHistograms(r, "kvcache_diag_raw_momentum_jaccard",
+                      "Jaccard of a step's raw top-k with its momentum top-k");
+  // policies_ is in PolicyLabels() order (AddPolicySeries).
+  const std::vector<std::string> labels = PolicyLabels();
+  for (size_t i = 0; i < labels.size(); ++i) {
+    const std::string& label = labels[i];
+    PolicySeries& s = policies_[i];
     s.diag_steps = &diag_steps.Add({{"policy", label}});
     s.diag_small_change = &diag_small.Add({{"policy", label}});
     s.diag_evicted = &diag_evicted.Add({{"policy", label}});
@@ -172,29 +170,21 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
     s.diag_raw_churn = &diag_raw_churn.Add({{"policy", label}}, FractionBuckets());
     s.diag_momentum_churn = &diag_momentum_churn.Add({{"policy", label}}, FractionBuckets());
     s.diag_raw_momentum_jaccard = &diag_jaccard.Add({{"policy", label}}, FractionBuckets());
-    policies_.push_back(s);
   }
+}
 
-  auto& batch_seconds = prometheus::BuildHistogram()
-                            .Name("kvcache_batch_duration_seconds")
-                            .Help("Server time for one batch of steps")
-                            .Register(r);
-  auto& batch_sequences = prometheus::BuildHistogram()
-                              .Name("kvcache_batch_sequences")
-                              .Help("Sequence steps per batch")
-                              .Register(r);
-  auto& received = prometheus::BuildCounter()
-                       .Name("kvcache_received_bytes_total")
-                       .Help("Request payload bytes received")
-                       .Register(r);
-  auto& requests = prometheus::BuildCounter()
-                       .Name("kvcache_requests_total")
-                       .Help("Requests (each stream message counts once)")
-                       .Register(r);
-  auto& errors = prometheus::BuildCounter()
-                     .Name("kvcache_errors_total")
-                     .Help("Failed requests and per-sequence step failures, by status code")
-                     .Register(r);
+void ServerMetrics::AddRpcSeries() {
+  prometheus::Registry& r = *registry_;
+  auto& batch_seconds = RegisterHistograms(r, "kvcache_batch_duration_seconds",
+                                        "Server time for one batch of steps");
+  auto& batch_sequences =
+      RegisterHistograms(r, "kvcache_batch_sequences", "Sequence steps per batch");
+  auto& received =
+      RegisterCounters(r, "kvcache_received_bytes_total", "Request payload bytes received");
+  auto& requests = RegisterCounters(r, "kvcache_requests_total",
+                                 "Requests (each stream message counts once)");
+  auto& errors = RegisterCounters(r, "kvcache_errors_total",
+                               "Failed requests and per-sequence step failures, by status code");
   for (int i = 0; i < kRpcCount; ++i) {
     const std::string rpc(kRpcNames[i]);
     RpcSeries& s = rpcs_[static_cast<size_t>(i)];
@@ -208,10 +198,12 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
     }
     s.errors[0] = nullptr;
   }
-  auto& score_bytes = prometheus::BuildCounter()
-                          .Name("kvcache_score_bytes_total")
-                          .Help("Packed score bytes received, by dtype and transport")
-                          .Register(r);
+}
+
+void ServerMetrics::AddStepPathSeries() {
+  prometheus::Registry& r = *registry_;
+  auto& score_bytes = RegisterCounters(r, "kvcache_score_bytes_total",
+                                    "Packed score bytes received, by dtype and transport");
   for (auto dtype : {kernels::ScoreDtype::kFloat32, kernels::ScoreDtype::kFloat16,
                      kernels::ScoreDtype::kBFloat16}) {
     for (int shm = 0; shm < 2; ++shm) {
@@ -219,27 +211,20 @@ ServerMetrics::ServerMetrics(const BuildInfo& build)
           {{"dtype", kernels::ScoreDtypeName(dtype)}, {"transport", shm ? "shm" : "grpc"}});
     }
   }
-  engine_queued_ = &prometheus::BuildGauge()
-                        .Name("kvcache_engine_queued_tasks")
-                        .Help("Batch shares waiting for an engine thread")
-                        .Register(r)
+  engine_queued_ = &RegisterGauges(r, "kvcache_engine_queued_tasks",
+                                "Batch shares waiting for an engine thread")
                         .Add({});
-  score_regions_ = &prometheus::BuildGauge()
-                        .Name("kvcache_score_regions")
-                        .Help("Score regions held (registered by workers or created)")
-                        .Register(r)
+  score_regions_ = &RegisterGauges(r, "kvcache_score_regions",
+                                "Score regions held (registered by workers or created)")
                         .Add({});
   created_score_region_bytes_ =
-      &prometheus::BuildGauge()
-           .Name("kvcache_score_region_created_bytes")
-           .Help("Bytes of the score regions kvcached created (CreateScoreRegion)")
-           .Register(r)
+      &RegisterGauges(r, "kvcache_score_region_created_bytes",
+                   "Bytes of the score regions kvcached created (CreateScoreRegion)")
            .Add({});
-  pending_join_bytes_ = &prometheus::BuildGauge()
-                             .Name("kvcache_pending_join_bytes")
-                             .Help("Partial sums held by tensor-parallel steps waiting for ranks")
-                             .Register(r)
-                             .Add({});
+  pending_join_bytes_ =
+      &RegisterGauges(r, "kvcache_pending_join_bytes",
+                   "Partial sums held by tensor-parallel steps waiting for ranks")
+           .Add({});
 }
 
 ServerMetrics::PolicySeries& ServerMetrics::Policy(absl::string_view preset) {

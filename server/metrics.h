@@ -15,11 +15,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "cache_manager/budget.h"
-#include "cache_manager/eviction_decision.h"
-#include "cache_manager/kv_events.h"
-#include "cache_manager/kv_pools.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/base/byte_budget.h"
+#include "cache_manager/engine/eviction_decision.h"
+#include "cache_manager/events/kv_events.h"
+#include "cache_manager/kv/kv_pools.h"
+#include "cache_manager/table/sequence_table.h"
 #include "kernels/score_matrix.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
@@ -119,6 +119,13 @@ class ServerMetrics {
   };
 
   PolicySeries& Policy(absl::string_view preset);
+  // The constructor's parts, one per family of series: build and serving state; per
+  // policy (then its diagnostics, over the same policies_); per RPC; the step path's.
+  void AddProcessSeries(const BuildInfo& build);
+  void AddPolicySeries();
+  void AddDiagnosticsSeries();
+  void AddRpcSeries();
+  void AddStepPathSeries();
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::vector<PolicySeries> policies_;  // presets in Policy::PresetNames() order, then custom

@@ -1,5 +1,6 @@
 // ServerOptions: everything kvcached is configured with. Filled from flags in
-// kvcached_main.cc (the only place flags live) and passed into the core.
+// kvcached_main.cc (the only place flags live) and passed into the core, which checks
+// them (Validate) before it uses them. Plain values; thread-compatible.
 #ifndef KVCM_SERVER_SERVER_OPTIONS_H_
 #define KVCM_SERVER_SERVER_OPTIONS_H_
 
@@ -7,8 +8,9 @@
 #include <optional>
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-
 #include "absl/time/time.h"
 #include "kernels/kv_compaction.h"
 
@@ -27,6 +29,12 @@ enum class EngineBackend : uint8_t { kAuto, kCpu, kCuda, kEmulated };
 // "auto" / "cpu" / "cuda" / "emulated", and back (nullopt for any other name).
 absl::string_view EngineBackendName(EngineBackend backend);
 std::optional<EngineBackend> ParseEngineBackend(absl::string_view name);
+
+// A flag's value as the enum it names; INVALID_ARGUMENT naming the flag, the value and
+// the names it accepts otherwise.
+absl::StatusOr<KvBackend> KvBackendFromFlag(absl::string_view name);          // --backend
+absl::StatusOr<EngineBackend> EngineBackendFromFlag(absl::string_view name);  // --engine_backend
+absl::StatusOr<kernels::KvDtype> KvDtypeFromFlag(absl::string_view name);     // --kv_dtype
 
 struct ServerOptions {
   // gRPC: host:port (port 0 picks a free port) or unix:/path (workers on the same node).
@@ -68,7 +76,7 @@ struct ServerOptions {
   int64_t kv_events_ring = 65536;
   int32_t kv_events_max_subscribers = 64;
 
-  // Eviction-quality diagnostics (cache_manager/diagnostics.h): one pair of consecutive
+  // Eviction-quality diagnostics (cache_manager/engine/diagnostics.h): one pair of consecutive
   // scoring steps measured per `diagnostics_every` scoring steps (0: off) of the sequences
   // a hash of their id samples at `diagnostics_sample` (0 to 1).
   int64_t diagnostics_every = 0;
@@ -129,6 +137,14 @@ struct ServerOptions {
   double tenant_memory_share = 1.0;
   // A unix: listen socket is made mode 0660; with a group name it is chowned to it.
   std::string listen_group;
+
+  // OK when every value is in range and the values agree with each other (and with this
+  // build); else INVALID_ARGUMENT naming the flag and its value. Daemon::Start calls it
+  // first.
+  absl::Status Validate() const;
+  // Where the sequences' engine runs: engine_backend with kAuto resolved (cuda with
+  // --backend=cuda, else cpu). Never kAuto.
+  EngineBackend ResolvedEngineBackend() const;
 };
 
 }  // namespace kvcm::server

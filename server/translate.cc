@@ -6,9 +6,11 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "cache_manager/check.h"
+#include "cache_manager/base/check.h"
+#include "cache_manager/engine/open_request.h"
+#include "cache_manager/policy/policy_request.h"
 #include "google/protobuf/io/coded_stream.h"
-#include "kvcache/v1/wire_dtype.h"
+#include "wire/wire_dtype.h"
 
 namespace kvcm::server {
 namespace {
@@ -103,6 +105,28 @@ v1::DecisionEncoding ToProto(DecisionEncoding e) {
   return v1::DECISION_ENCODING_UNSPECIFIED;
 }
 
+// The wire's policy as asked: enums left UNSPECIFIED and unset optionals stay unset.
+absl::StatusOr<PolicyRequest> FromProto(const v1::Policy& p) {
+  PolicyRequest request;
+  request.preset = p.preset();
+  if (p.aggregation() != v1::AGGREGATION_UNSPECIFIED) {
+    absl::StatusOr<Aggregation> aggregation = FromProto(p.aggregation());
+    if (!aggregation.ok()) return aggregation.status();
+    request.aggregation = *aggregation;
+  }
+  if (p.refresh() != v1::REFRESH_UNSPECIFIED) {
+    absl::StatusOr<Refresh> refresh = FromProto(p.refresh());
+    if (!refresh.ok()) return refresh.status();
+    request.refresh = *refresh;
+  }
+  if (p.has_alpha()) request.alpha = p.alpha();
+  if (p.has_refresh_interval()) request.refresh_interval = p.refresh_interval();
+  request.protect_sinks = p.protect_sinks();
+  request.protect_recent = p.protect_recent();
+  request.seed = p.seed();
+  return request;
+}
+
 size_t VarintBytes(int64_t value) {
   return google::protobuf::io::CodedOutputStream::VarintSize64(static_cast<uint64_t>(value));
 }
@@ -170,32 +194,12 @@ absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
     case v1::OpenSequenceRequest::BUDGET_NOT_SET:
       break;  // the engine rejects it with the budget rule's message
   }
-  const v1::Policy& p = request.policy();
-  const bool has_fields = p.aggregation() != v1::AGGREGATION_UNSPECIFIED || p.has_alpha() ||
-                          p.refresh() != v1::REFRESH_UNSPECIFIED || p.has_refresh_interval() ||
-                          p.protect_sinks() != 0 || p.protect_recent() != 0;
-  if (!p.preset().empty()) {
-    if (has_fields) {
-      return context(absl::InvalidArgumentError(absl::StrCat(
-          "policy: preset '", p.preset(),
-          "' is given together with policy fields; give a preset (and seed) or the fields")));
-    }
-    params.options.preset = p.preset();
-  } else if (!has_fields) {
-    params.options.preset = "inertia";  // the default policy (a seed alone changes nothing)
-  } else {
-    absl::StatusOr<Aggregation> aggregation = FromProto(p.aggregation());
-    if (!aggregation.ok()) return context(aggregation.status());
-    absl::StatusOr<Refresh> refresh = FromProto(p.refresh());
-    if (!refresh.ok()) return context(refresh.status());
-    params.options.policy.aggregation = *aggregation;
-    params.options.policy.refresh = *refresh;
-    if (p.has_alpha()) params.options.policy.alpha = p.alpha();
-    if (p.has_refresh_interval()) params.options.policy.refresh_interval = p.refresh_interval();
-    params.options.policy.protect_sinks = p.protect_sinks();
-    params.options.policy.protect_recent = p.protect_recent();
-  }
-  params.options.policy.seed = p.seed();
+  absl::StatusOr<PolicyRequest> policy = FromProto(request.policy());
+  if (!policy.ok()) return context(policy.status());
+  absl::StatusOr<RequestedPolicy> resolved = ResolvePolicyRequest(*policy);
+  if (!resolved.ok()) return context(resolved.status());
+  params.options.preset = std::move(resolved->preset);
+  params.options.policy = std::move(resolved->policy);
   switch (request.score_layout()) {
     case v1::SCORE_LAYOUT_UNSPECIFIED:
     case v1::SCORE_LAYOUT_PER_LAYER:
@@ -213,23 +217,18 @@ absl::StatusOr<OpenParams> FromProto(const v1::OpenSequenceRequest& request) {
   absl::StatusOr<DecisionEncoding> encoding = FromProto(request.decision_encoding());
   if (!encoding.ok()) return context(encoding.status());
   params.options.decision_encoding = *encoding;
-  params.tp_world_size = request.tp_world_size() == 0 ? 1 : request.tp_world_size();
+  params.tp_world_size = TpWorldSizeOrDefault(request.tp_world_size());
   absl::StatusOr<kernels::ScoreDtype> dtype =
       FromProto(request.score_dtype(), kernels::ScoreDtype::kFloat32);
   if (!dtype.ok()) return context(dtype.status());
   params.score_dtype = *dtype;
   if (request.has_resume()) {
-    // The engine checks the values (Sequence::Create); a worker's resume carries no
-    // momentum: the sequence starts from a fresh prefill's over these positions.
     const v1::ResumeState& resume = request.resume();
-    if (resume.last_step() < 1) {
-      return context(absl::InvalidArgumentError(absl::StrCat(
-          "resume: last_step is ", resume.last_step(),
-          "; it must be >= 1 (a sequence before its first step is opened without resume)")));
-    }
-    SequenceProgress& progress = params.options.resume.emplace();
-    progress.last_step = resume.last_step();
-    progress.positions.assign(resume.cached_positions().begin(), resume.cached_positions().end());
+    absl::StatusOr<SequenceProgress> progress = WorkerResume(
+        resume.last_step(),
+        std::vector<int64_t>(resume.cached_positions().begin(), resume.cached_positions().end()));
+    if (!progress.ok()) return context(progress.status());
+    params.options.resume = *std::move(progress);
   }
   return params;
 }

@@ -19,18 +19,15 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "clients/replay/replay_backend.h"
 #include "clients/replay/replay_run.h"
 #include "clients/replay/score_transport.h"
-#include "kernels/backend.h"
+#include "kernels/backend_by_name.h"
 #ifdef KVCM_REPLAY_HAS_GRPC
 #include "clients/cpp/security_flags.h"
 #include "clients/replay/grpc_backend.h"
-#endif
-#ifdef KVCM_REPLAY_HAS_CUDA
-#include "kernels/cuda/cuda_adapter.h"
-#include "kernels/cuda/cuda_backend.h"
 #endif
 
 ABSL_FLAG(std::string, trace, "", "kvtrace/1 file to replay (required)");
@@ -56,8 +53,9 @@ ABSL_FLAG(std::string, transport, "grpc",
           "created_per_rank (each rank's region on that rank's device)");
 ABSL_FLAG(std::string, device, "cpu",
           "where the embedded engine keeps and steps the sequence: cpu, cuda (momentum and "
-          "positions on GPU --gpu, every step's kernels there; builds with CUDA only), or "
-          "emulated (the device-resident code path on the CPU, for tests)");
+          "positions on GPU --gpu, every step's kernels there; builds with CUDA only), "
+          "emulated (the device-resident code path on the CPU, for tests), or auto (cuda "
+          "when GPU --gpu is visible, else cpu)");
 ABSL_FLAG(int32_t, gpu, 0, "with --device cuda, the CUDA device ordinal");
 ABSL_FLAG(std::string, compare, "",
           "comma-separated presets (or 'all'): replay the trace under each and print a "
@@ -90,21 +88,13 @@ absl::StatusOr<std::unique_ptr<kvcm::replay::ReplayBackend>> MakeBackend(
 #endif
 }
 
-// The embedded engine's kernel backend named by --device.
+// The embedded engine's kernel backend named by --device, on GPU --gpu.
 absl::StatusOr<const kvcm::kernels::KernelBackend*> EngineBackend(const std::string& device) {
-  if (device == "cpu") return &kvcm::kernels::CpuBackend();
-  if (device == "emulated") return &kvcm::kernels::EmulatedDeviceBackend();
-  if (device == "cuda") {
-#ifdef KVCM_REPLAY_HAS_CUDA
-    const absl::StatusOr<int> devices = kvcm::kernels::cuda::VisibleDeviceCount();
-    if (!devices.ok()) return devices.status();
-    if (*devices == 0) return absl::UnavailableError("--device cuda: no CUDA device on this machine");
-    return &kvcm::kernels::cuda::CudaBackend();
-#else
-    return absl::UnimplementedError("--device cuda: this kvcache-replay was built without CUDA");
-#endif
-  }
-  return absl::InvalidArgumentError("--device is '" + device + "'; it must be cpu, cuda or emulated");
+  absl::StatusOr<const kvcm::kernels::KernelBackend*> backend =
+      kvcm::kernels::BackendByName(device, absl::GetFlag(FLAGS_gpu));
+  if (backend.ok()) return backend;
+  return absl::Status(backend.status().code(),
+                      absl::StrCat("--device ", device, ": ", backend.status().message()));
 }
 
 }  // namespace
