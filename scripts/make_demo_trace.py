@@ -8,13 +8,22 @@ layer sees a differently noised copy. The scores of a step cover the cache of th
 that produced the trace (inertia), in ascending position order, as SPEC.md requires; other
 policies replaying it see the same rows over their own caches.
 
-Deterministic: the same file for the same arguments, on any machine.
+Deterministic: the same file for the same arguments, on any machine. The budget comes
+from the Python client (kvcache_client.budget_tokens, SPEC.md's rule), found in the source
+tree beside this script (clients/python, and build/python for its generated modules).
 """
 import argparse
 import json
-import math
 import random
 import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _path in (_ROOT / "clients" / "python", _ROOT / "build" / "python"):
+    if str(_path) not in sys.path:
+        sys.path.append(str(_path))
+
+from kvcache_client import budget_tokens  # noqa: E402
 
 
 def main() -> int:
@@ -33,7 +42,7 @@ def main() -> int:
                   for _ in range(total)]
     for sink in range(4):  # attention sinks: the first tokens draw attention throughout
         importance[sink] = 25.0
-    budget = max(1, math.floor((1 - a.ratio) * a.prefill + 1e-9))
+    budget = budget_tokens(a.prefill, a.ratio)
 
     cache = list(range(a.prefill))
     momentum = {p: 0.0 for p in cache}

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvcached_binary(explicit: Optional[str] = None) -> Path:

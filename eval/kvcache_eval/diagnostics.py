@@ -5,7 +5,7 @@ A trace (``RunConfig(trace=True)``) records per decode step what the worker saw:
 candidates (the cache before the step plus the new token, ascending positions), the score
 row it sent (None on a step that needed none), the evicted positions, and the cache and
 its momentum after the step (``InspectSequence`` with the cache). From those, this module
-recomputes the figures by the definitions of cache_manager/diagnostics.h, written again
+recomputes the figures by the definitions of cache_manager/engine/diagnostics.h, written again
 here from the definitions, not from the C++:
 
 - k = ceil(B / 10); raw top-k R_t: the k candidates with the highest raw score (the

@@ -1,7 +1,7 @@
 """kvcache-eval: the paper's claims measured on the decoder trained here, through a real
 kvcached.
 
-    clients/eval/kvcache-eval            # writes docs/EVALUATION.md and docs/img/eval_*.png
+    eval/kvcache-eval            # writes docs/EVALUATION.md and docs/img/eval_*.png
 
 Starts its own kvcached (build/bin/kvcached, or --kvcached / $KVCM_KVCACHED) with host
 shared-memory KV pools shaped like the decoder's cache and shared-memory score regions;
@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kvcache_client import KvCacheClient, Policy
+from kvcache_client.policy import PRESETS  # the one list: cache_manager/policy/presets.txt
 from kvcache_client.torch import KvPoolMapping
 
 from . import diagnostics, report, tasks
@@ -46,8 +47,6 @@ from .model import load
 from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "weights" / "decoder.pt"
-PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o", "streaming_llm", "random")
-SCORING_PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o")
 RATIOS = (0.5, 0.8, 0.9)
 ALPHAS = (0.0, 0.5, 0.8, 0.9, 0.95)
 LAZY = (1, 2, 4, 8)
@@ -220,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model, meta = load(args.weights)
     cfg = model.cfg
     started = time.perf_counter()
-    command = "clients/eval/kvcache-eval " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "eval/kvcache-eval " + " ".join(sys.argv[1:] if argv is None else argv)
     results: Dict[str, Any] = {
         "command": command.strip(), "weights": os.path.relpath(args.weights, REPO_ROOT),
         "train_meta": meta, "per_task": args.per_task, "lengths": lengths, "seed": args.seed,

@@ -18,7 +18,7 @@ def render(results: Dict[str, Any], images: List[str], img: Path) -> str:
     wall = results["wall"]
     parts: List[str] = []
     add = parts.append
-    add("<!-- Written by clients/eval/kvcache-eval; edit clients/eval/kvcache_eval/page.py, "
+    add("<!-- Written by eval/kvcache-eval; edit eval/kvcache_eval/page.py, "
         "not this file. -->")
     add("# Evaluation: the paper's claims on a decoder trained here, through kvcached\n")
     add("The InertiaKV paper (../shared/reference/inertiakv-paper.md) makes claims about what "
@@ -80,7 +80,7 @@ def render(results: Dict[str, Any], images: List[str], img: Path) -> str:
             f"{d['samples']} relevance-shift prompts (a second question after "
             f"{d['gap']} filler tokens, for longer generations) at ρ = {d['ratio']}; "
             "*live* is its /metrics after the runs, *offline* the same figures recomputed "
-            "from the worker's step traces (clients/eval/kvcache_eval/diagnostics.py: the "
+            "from the worker's step traces (eval/kvcache_eval/diagnostics.py: the "
             "folded row sent, the candidates, the evictions, the cache and its momentum "
             "after each step). k = ceil(B / 10).\n")
         add(report.diagnostics_table(results) + "\n")
@@ -133,7 +133,7 @@ def _setup(results: Dict[str, Any], meta: Dict[str, Any], cfg: Dict[str, Any]) -
     held = meta.get("held_out_exact_match", {})
     return (
         "## Set-up\n\n"
-        f"- **Model** (`clients/eval/kvcache_eval/model.py`): a Llama-style decoder, "
+        f"- **Model** (`eval/kvcache_eval/model.py`): a Llama-style decoder, "
         f"{cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} query heads and "
         f"{cfg['kv_heads']} KV heads of {cfg['head_dim']} (GQA), RoPE, RMSNorm, SwiGLU "
         f"({cfg['ffn']}), tied embeddings, vocabulary {cfg['vocab']}; "
@@ -144,10 +144,10 @@ def _setup(results: Dict[str, Any], meta: Dict[str, Any], cfg: Dict[str, Any]) -
         + "".join(f"  {i + 1}. `{m.get('command', '?')}`: {m.get('steps', '?')} steps, "
                   f"{_wall(m.get('wall_seconds', 0))}\n"
                   for i, m in enumerate(_stages(meta)))
-        + "  The stages ran from `clients/eval` with `PYTHONPATH=.:../python`; each one's "
+        + "  The stages ran from `eval` with `PYTHONPATH=.:../clients/python`; each one's "
         "output was copied to the next one's `--init` (stage 1's `/tmp/pilot64.pt` to "
         "`/tmp/stage1.pt`, stage 2's `weights/decoder.pt` to `/tmp/stage2.pt`, stage 5's "
-        "output to `clients/eval/weights/decoder.pt`). Stages 1-2 drew the values as "
+        "output to `eval/weights/decoder.pt`). Stages 1-2 drew the values as "
         "distinct letters and digits (pure copying: the short warm-up, then longer "
         "contexts); stages 3-5 as digits with replacement, the task set of this page "
         "(rerun stages 1-2 with `--values distinct`). The curriculum grew stage by stage "
@@ -158,7 +158,7 @@ def _setup(results: Dict[str, Any], meta: Dict[str, Any], cfg: Dict[str, Any]) -
         + ", ".join(f"{report.TASK_NAMES.get(k.split('@')[0], k)}@{k.split('@')[1]} {v:.2f}"
                     if "@" in k else f"{k} {v:.2f}" for k, v in held.items())
         + " (8 samples each; the tables below are the measurement).\n"
-        "- **Tasks** (`clients/eval/kvcache_eval/tasks.py`), RULER's shapes over letters "
+        "- **Tasks** (`eval/kvcache_eval/tasks.py`), RULER's shapes over letters "
         "(keys, variable names; distinct within a sample), digits (values, four per "
         "value, drawn with replacement so needles share digits), 20 filler words and a "
         "few marks: *single* (one needle `# k 3 9 3 4 .`, question `? k`, answer "
@@ -173,7 +173,7 @@ def _setup(results: Dict[str, Any], meta: Dict[str, Any], cfg: Dict[str, Any]) -
         "cache plus itself, and the daemon then evicts. So the first two answer tokens are "
         "predicted before any eviction, and the rest after it: eviction can only hurt from "
         "the third answer token on.\n"
-        "- **Worker** (`clients/eval/kvcache_eval/runner.py`, `kvcache_client.torch`): "
+        "- **Worker** (`eval/kvcache_eval/runner.py`, `kvcache_client.torch`): "
         "prefill K/V written into the daemon's pool at the slots it leased; per step the "
         "capture recomputes each layer's attention row from the query and the keys (what a "
         "worker with a fused attention kernel must do), folds the 4 rows with the "
@@ -347,7 +347,7 @@ REPRODUCE = (
     "installs `python3-torch`, `libopenblas0-pthread` and `python3-matplotlib`, and the "
     "build):\n\n"
     "```sh\n"
-    "clients/eval/kvcache-eval                 # this page and docs/img/eval_*.png\n"
+    "eval/kvcache-eval                 # this page and docs/img/eval_*.png\n"
     "ctest --test-dir build -R python_eval    # tests/python/test_eval*.py: the short "
     "evaluation, live diagnostics against offline ones\n"
     "```\n\n"

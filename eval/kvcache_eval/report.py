@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from kvcache_client.policy import PRESETS  # the one list: cache_manager/policy/presets.txt
+
 from . import diagnostics, tasks
 
 TASK_NAMES = {"niah_single": "single", "niah_multikey": "multikey",
               "niah_multivalue": "multivalue", "niah_multiquery": "multiquery", "vt": "vt"}
-PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o", "streaming_llm", "random")
 RATIOS = (0.5, 0.8, 0.9)
 
 

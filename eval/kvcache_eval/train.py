@@ -1,7 +1,7 @@
 """Trains the evaluation decoder on the synthetic tasks and writes its weights.
 
-    PYTHONPATH=clients/eval python3 -m kvcache_eval.train \
-        --out clients/eval/weights/decoder.pt
+    PYTHONPATH=eval python3 -m kvcache_eval.train \
+        --out eval/weights/decoder.pt
 
 A curriculum of context lengths (short first: the tasks are learned there, then carried to
 1,024 tokens), AdamW with warm-up and cosine decay, loss on the answer tokens only. Every

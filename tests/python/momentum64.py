@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from golden import Trace
+from kvcache_client import budget_tokens
 
 SCORING = ("ema", "cumulative", "single_step")
 RELATIVE = 2e-4
@@ -16,7 +17,7 @@ RELATIVE = 2e-4
 def budget(header: Dict[str, Any]) -> int:
     if "budget_tokens" in header:
         return header["budget_tokens"]
-    return max(1, int((1 - header["compression_ratio"]) * header["prefill_len"] + 1e-9))
+    return budget_tokens(header["prefill_len"], header["compression_ratio"])
 
 
 class PerLayerMomentum:

@@ -71,3 +71,16 @@ def test_every_kvcached_flag_is_documented():
     docs = (REPO_ROOT / "README.md").read_text() + (REPO_ROOT / "docs" / "GPU.md").read_text()
     undocumented = sorted(f for f in flags if f"--{f}" not in docs)
     assert not undocumented, f"flags named in neither README.md nor docs/GPU.md: {undocumented}"
+
+
+def test_every_public_name_is_in_the_pieces_table():
+    """docs/PYTHON.md's "The pieces" names everything kvcache_client exports, and nothing
+    it no longer does."""
+    import kvcache_client
+    text = (REPO_ROOT / "docs" / "PYTHON.md").read_text()
+    section = text[text.index("## The pieces"):]
+    rows = [line for line in section[:section.index("| what | signature |")].splitlines()
+            if line.startswith("|")]
+    named = set(re.findall(r"`([A-Za-z_]+)`", "\n".join(rows)))
+    assert set(kvcache_client.__all__) <= named, set(kvcache_client.__all__) - named
+    assert named <= set(kvcache_client.__all__), named - set(kvcache_client.__all__)

@@ -1,6 +1,6 @@
-"""A short evaluation of the decoder trained here (clients/eval, weights committed) through
+"""A short evaluation of the decoder trained here (eval/, weights committed) through
 a real kvcached with host shared-memory KV pools and score regions: what must hold
-whatever the model. The full table is a benchmark (clients/eval/kvcache-eval), not this."""
+whatever the model. The full table is a benchmark (eval/kvcache-eval), not this."""
 
 import sys
 
@@ -10,13 +10,13 @@ torch = pytest.importorskip("torch", reason="torch is not installed (Debian: pyt
 
 from daemon import REPO_ROOT, Daemon, flag_missing_reason  # noqa: E402
 
-sys.path.insert(0, str(REPO_ROOT / "clients" / "eval"))
+sys.path.insert(0, str(REPO_ROOT / "eval"))
 
-from kvcache_client import KvCacheClient  # noqa: E402
+from kvcache_client import SCORING_PRESETS, KvCacheClient  # noqa: E402
 from kvcache_client.torch import KvPoolMapping  # noqa: E402
 from kvcache_eval import tasks  # noqa: E402
 from kvcache_eval.daemon import pool_flags  # noqa: E402
-from kvcache_eval.evaluate import DEFAULT_WEIGHTS, SCORING_PRESETS  # noqa: E402
+from kvcache_eval.evaluate import DEFAULT_WEIGHTS  # noqa: E402
 from kvcache_eval.model import load  # noqa: E402
 from kvcache_eval.runner import RunConfig, Runner, prefill  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The daemon's live eviction-quality diagnostics (/metrics, --diagnostics_every 1 and
 --diagnostics_sample 1) against the same figures computed offline from the evaluation
-harness's step traces (clients/eval/kvcache_eval/diagnostics.py): the decoder trained
+harness's step traces (eval/kvcache_eval/diagnostics.py): the decoder trained
 here, driven through a real kvcached."""
 
 import sys
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (Debian: pyt
 
 from daemon import REPO_ROOT, Daemon, flag_missing_reason  # noqa: E402
 
-sys.path.insert(0, str(REPO_ROOT / "clients" / "eval"))
+sys.path.insert(0, str(REPO_ROOT / "eval"))
 
 from kvcache_client import KvCacheClient  # noqa: E402
 from kvcache_client.torch import KvPoolMapping  # noqa: E402

@@ -15,6 +15,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional, Tuple
 
+from .errors import ScoreShapeError
+
 #: (rows of a 2-D input or None, elements, wire dtype, writer of exactly the packed bytes)
 Plan = Tuple[Optional[int], int, str, Callable[[memoryview], None]]
 
@@ -34,14 +36,12 @@ def plan(values: Any, dtype: Optional[str], default_dtype: Optional[str]) -> Opt
 
 
 def _check_rank(ndim: int) -> None:
-    from .scores import ScoreShapeError
     if ndim not in (1, 2):
         raise ScoreShapeError(f"a score buffer must be 1-D or 2-D [layers, tokens], "
                               f"this one has {ndim} dimensions")
 
 
 def _raw_wire(dtype: Optional[str], default_dtype: Optional[str]) -> str:
-    from .scores import ScoreShapeError
     wire = dtype or default_dtype
     if wire not in ("float16", "bfloat16"):
         raise ScoreShapeError("16-bit integer score buffers hold float16 or bfloat16 "

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from .client import KvCacheClient
     from .region import ScoreRegion
 
+__all__ = ["SequenceBatch", "TrackedSequence"]
+
 
 @dataclass
 class TrackedSequence:

@@ -16,6 +16,8 @@ from .results import CreatedScoreRegion, Decision, KvPool, SequenceState, Sequen
 from .scores import normalize_dtype
 from .stream import ReportLike, StepStream, reports_to_proto
 
+__all__ = ["KvCacheClient"]
+
 PolicyLike = Union[Policy, str, Mapping[str, Any], None]
 
 

@@ -21,6 +21,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import grpc
 
+__all__ = ["TlsConfig"]
+
 
 @dataclass(frozen=True)
 class TlsConfig:

@@ -9,6 +9,8 @@ import grpc
 if TYPE_CHECKING:
     from .results import Decision
 
+__all__ = ["KvCacheError", "ScoreShapeError", "StepError"]
+
 _CODES: Dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -39,6 +41,14 @@ class KvCacheError(Exception):
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         details = error.details() if hasattr(error, "details") else str(error)
         return cls(code or grpc.StatusCode.UNKNOWN, f"{what}: {details}")
+
+
+class ScoreShapeError(ValueError):
+    """Scores whose size or shape cannot be what the step needs.
+
+    Raised on the client before anything is sent; here, beside the other errors, so that
+    every module that checks a shape imports it without importing another checker.
+    """
 
 
 class StepError(KvCacheError):

@@ -19,6 +19,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Sequence, Tuple, Union
 
+__all__ = ["FoldWeights", "fold_scores"]
+
 
 @dataclass(frozen=True)
 class FoldWeights:

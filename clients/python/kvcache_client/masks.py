@@ -17,6 +17,8 @@ import importlib
 import sys
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
+__all__ = ["CachePositions"]
+
 _numpy: Any = False  # not looked up yet
 
 

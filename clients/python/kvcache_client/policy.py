@@ -3,12 +3,47 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ._proto import pb
 
-#: Named presets, expanded by the daemon.
-PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o", "streaming_llm", "random")
+__all__ = ["PRESETS", "SCORING_PRESETS", "Policy"]
+
+#: The columns of presets.txt (its header comment says what each holds).
+_PRESET_COLUMNS = ("name", "aggregation", "alpha", "refresh", "refresh_interval",
+                   "protect_recent", "protect_sinks")
+#: The aggregations that read attention scores (the daemon's Policy::UsesScores).
+_SCORING_AGGREGATIONS = ("ema", "cumulative", "single_step")
+
+
+def _read_presets() -> Dict[str, Dict[str, str]]:
+    """{name: {column: text}} of presets.txt, in the file's order.
+
+    The file ships inside this package; in the source tree it is a link to
+    cache_manager/policy/presets.txt, the list the daemon's presets are generated from.
+    """
+    path = Path(__file__).with_name("presets.txt")
+    rows: Dict[str, Dict[str, str]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        columns = line.split("#", 1)[0].split()
+        if not columns:
+            continue
+        if len(columns) != len(_PRESET_COLUMNS):
+            raise ImportError(f"{path}:{number}: {len(columns)} columns, expected "
+                              f"{len(_PRESET_COLUMNS)} ({' '.join(_PRESET_COLUMNS)})")
+        rows[columns[0]] = dict(zip(_PRESET_COLUMNS, columns))
+    return rows
+
+
+_PRESET_ROWS = _read_presets()
+
+#: Named presets, expanded by the daemon, in its order (cache_manager/policy/presets.txt).
+PRESETS = tuple(_PRESET_ROWS)
+#: The presets whose aggregation reads attention scores (a worker captures them; the others
+#: never need scores).
+SCORING_PRESETS = tuple(name for name, row in _PRESET_ROWS.items()
+                        if row["aggregation"] in _SCORING_AGGREGATIONS)
 
 _AGGREGATIONS = {
     "ema": pb.AGGREGATION_EMA,

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from .client import KvCacheClient
     from .scores import PreparedScores
 
+__all__ = ["ALIGNMENT", "ScoreRegion"]
+
 #: Every report's range starts at a multiple of this many bytes (a cache line; also a
 #: multiple of every score dtype's size).
 ALIGNMENT = 64

@@ -14,6 +14,9 @@ from .errors import StepError, status_code
 from .fold import FoldWeights
 from .policy import Policy
 
+__all__ = ["CreatedScoreRegion", "Decision", "KvChange", "KvPool", "SequenceState",
+           "SequenceStats"]
+
 
 @dataclass(frozen=True)
 class SequenceStats:

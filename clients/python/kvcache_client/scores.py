@@ -37,6 +37,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _arrays
+from .errors import ScoreShapeError
+
+__all__ = ["EncodedScores", "PreparedScores", "Scores", "ScoreShapeError", "ScoresLike",
+           "decode_scores", "encode_scores", "prepare_scores"]
 
 #: Wire dtypes and their element sizes in bytes.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,10 +56,6 @@ _U32 = "I" if array("I").itemsize == 4 else "L"
 
 #: What a step may carry for one sequence (None: no scores).
 ScoresLike = Any
-
-
-class ScoreShapeError(ValueError):
-    """Scores whose size or shape cannot be what the step needs."""
 
 
 @dataclass(frozen=True)

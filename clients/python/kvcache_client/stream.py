@@ -22,6 +22,8 @@ from .scores import PreparedScores, ScoresLike, normalize_dtype, prepare_scores
 if TYPE_CHECKING:
     from .region import ScoreRegion
 
+__all__ = ["Report", "ReportLike", "StepStream"]
+
 
 @dataclass
 class Report:

@@ -1,0 +1,327 @@
+"""KV caches that apply kvcached's decisions: the worker's own tensors (DenseKvCache) or
+the daemon's host shared-memory KV pool (KvPoolMapping, PooledKvCache).
+
+Not thread-safe: a cache belongs to one worker thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}
+
+Tensor = torch.Tensor
+
+
+class _StepState:
+    """What both caches track between a step's attention and its decision."""
+
+    def __init__(self, layers: int, positions: Sequence[int], next_position: int) -> None:
+        self.layers = layers
+        self.positions: List[int] = list(positions)
+        if any(b <= a for a, b in zip(self.positions, self.positions[1:])):
+            raise ValueError("positions must ascend")
+        self.next_position = next_position
+        self._pending: Dict[int, Tuple[Tensor, Tensor]] = {}
+
+    def _pend(self, layer: int, k: Tensor, v: Tensor) -> None:
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"layer {layer} of {self.layers}")
+        if layer in self._pending:
+            raise ValueError(f"layer {layer} was extended twice in one step; apply() the "
+                             "decision first")
+        self._pending[layer] = (k, v)
+
+    def _evicted_indices(self, decision: Any) -> Tuple[List[int], bool]:
+        """(indices into positions of the evicted cached tokens, whether the new token
+        itself was evicted); checks the decision against this cache."""
+        if not getattr(decision, "ok", True):
+            raise ValueError(f"decision of step {decision.step} was rejected "
+                             f"({decision.message}); nothing changed, do not apply it")
+        if len(self._pending) != self.layers:
+            raise ValueError(f"{len(self._pending)} of {self.layers} layers were extended "
+                             "this step; extend every layer before apply()")
+        index = {p: i for i, p in enumerate(self.positions)}
+        gone, new_evicted = [], False
+        for position in decision.evicted:
+            if position == self.next_position:
+                new_evicted = True
+            elif position in index:
+                gone.append(index[position])
+            else:
+                raise ValueError(f"step {decision.step} evicts position {position}, which "
+                                 "this cache does not hold")
+        expected = len(self.positions) + 1 - len(decision.evicted)
+        size = getattr(decision, "cache_size", expected)
+        if size != expected:
+            raise ValueError(f"step {decision.step}: the daemon's cache holds {size} "
+                             f"tokens, this one would hold {expected}")
+        return sorted(gone), new_evicted
+
+    def _commit(self, gone: List[int], new_evicted: bool) -> None:
+        if gone:
+            drop = set(gone)
+            self.positions = [p for i, p in enumerate(self.positions) if i not in drop]
+        if not new_evicted:
+            self.positions.append(self.next_position)
+        self.next_position += 1
+        self._pending.clear()
+
+
+class DenseKvCache(_StepState):
+    """One sequence's K and V, per layer ``[kv_heads, n, d]``, that the worker owns.
+
+    A decode step: ``keys, values = cache.extend(layer, k, v)`` per layer (the new token's
+    ``k, v`` ``[kv_heads, d]`` appended; attend over what it returns), then
+    ``cache.apply(decision)``: the evicted positions leave every layer at once (the new
+    token too, when it was evicted in its own step). ``positions`` are the cached
+    positions, ascending; ``next_position`` the position of the next step's token.
+
+    Storage is token-major (``[capacity, kv_heads, d]`` per layer, as in a paged pool), so
+    what it returns are ``[kv_heads, n, d]`` views with the strides of what
+    :class:`PooledKvCache` gathers: the same attention code gives the same bits on both.
+    """
+
+    def __init__(self, keys: Sequence[Tensor], values: Sequence[Tensor], *,
+                 positions: Optional[Sequence[int]] = None,
+                 next_position: Optional[int] = None, capacity: Optional[int] = None) -> None:
+        """``keys``/``values``: per layer ``[kv_heads, n, d]`` (the prefill's). Positions
+        default to ``0 .. n-1``, ``next_position`` to the last + 1; ``capacity``: tokens
+        preallocated (it grows as needed)."""
+        if not keys or len(keys) != len(values):
+            raise ValueError("give the keys and values of every layer")
+        n = keys[0].shape[1]
+        shape = tuple(keys[0].shape)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(f"layer {layer}: keys {tuple(k.shape)} and values "
+                                 f"{tuple(v.shape)}, layer 0 has {shape}")
+        if positions is None:
+            positions = range(n)
+        if len(positions) != n:
+            raise ValueError(f"{len(positions)} positions for {n} cached tokens")
+        super().__init__(len(keys), positions,
+                         next_position if next_position is not None
+                         else (positions[-1] + 1 if n else 0))
+        self.kv_heads, self.head_dim = shape[0], shape[2]
+        self.dtype, self.device = keys[0].dtype, keys[0].device
+        cap = max(capacity or 0, n + 1)
+        self._k = [self._buffer(cap) for _ in keys]   # per layer [capacity, kv_heads, d]
+        self._v = [self._buffer(cap) for _ in keys]
+        for layer in range(self.layers):
+            self._k[layer][:n] = keys[layer].transpose(0, 1)
+            self._v[layer][:n] = values[layer].transpose(0, 1)
+
+    def _buffer(self, capacity: int) -> Tensor:
+        return torch.empty(capacity, self.kv_heads, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def keys(self, layer: int) -> Tensor:
+        """``[kv_heads, n, d]``: the cached keys of ``layer`` (a view; not the pending one)."""
+        return self._k[layer][:len(self.positions)].transpose(0, 1)
+
+    def values(self, layer: int) -> Tensor:
+        return self._v[layer][:len(self.positions)].transpose(0, 1)
+
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Appends the step's token to ``layer``; returns its keys and values
+        ``[kv_heads, n + 1, d]`` (views, valid until ``apply``)."""
+        n = len(self.positions)
+        if self._k[layer].shape[0] <= n:
+            grown = max(2 * self._k[layer].shape[0], n + 1)
+            for buffers in (self._k, self._v):
+                old = buffers[layer]
+                buffers[layer] = self._buffer(grown)
+                buffers[layer][:n] = old[:n]
+        self._pend(layer, k, v)
+        self._k[layer][n] = k
+        self._v[layer][n] = v
+        return (self._k[layer][:n + 1].transpose(0, 1),
+                self._v[layer][:n + 1].transpose(0, 1))
+
+    def apply(self, decision: Any) -> None:
+        """Applies an accepted Decision of this step to every layer."""
+        gone, new_evicted = self._evicted_indices(decision)
+        n = len(self.positions)
+        if gone or new_evicted:
+            drop = set(gone)
+            keep = [i for i in range(n) if i not in drop]
+            if not new_evicted:
+                keep.append(n)
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            for buffers in (self._k, self._v):
+                for layer in range(self.layers):
+                    buffers[layer][:len(keep)] = buffers[layer].index_select(0, index)
+        self._commit(gone, new_evicted)
+
+
+class KvPoolMapping:
+    """One rank's host shared-memory KV pool of kvcached (``--pool_memory_bytes``,
+    ``--backend=host``), mapped into this process as a torch tensor.
+
+    ``blocks``: ``[capacity_blocks, layers, 2 (K, V), tokens_per_block, kv_heads,
+    head_dim]`` of the pool's dtype, the layout of docs/GPU.md "Memory layout"; slot ``s``
+    is token ``s % tokens_per_block`` of block ``s // tokens_per_block``. Writes land in the
+    daemon's memory. ``close()`` (or the ``with``) unmaps it; the daemon owns and unlinks
+    the object. Requires the daemon on this node, as this user (or root).
+    """
+
+    def __init__(self, pool: Any) -> None:
+        """``pool``: a :class:`~kvcache_client.KvPool` (``client.describe_kv_pools()``)."""
+        if pool.backend != "host" or not pool.shm_name:
+            raise ValueError(f"rank {pool.rank}'s pool is not host shared memory "
+                             f"(backend {pool.backend!r}, shm_name {pool.shm_name!r}): start "
+                             "kvcached with --backend=host and --kv_shared_memory=true")
+        self.pool = pool
+        self.rank = pool.rank
+        path = "/dev/shm/" + pool.shm_name.lstrip("/")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mmap: Optional[mmap.mmap] = mmap.mmap(fd, pool.bytes, mmap.MAP_SHARED,
+                                                        mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        dtype = _TORCH_DTYPES[pool.dtype]
+        flat = torch.frombuffer(self._mmap, dtype=dtype,
+                                count=pool.capacity_blocks * pool.block_bytes
+                                // torch.empty((), dtype=dtype).element_size())
+        self.blocks: Optional[Tensor] = flat.view(
+            pool.capacity_blocks, pool.layers, 2, pool.tokens_per_block, pool.kv_heads,
+            pool.head_dim)
+        self.tokens_per_block = pool.tokens_per_block
+
+    @classmethod
+    def for_rank(cls, client: Any, rank: int = 0) -> "KvPoolMapping":
+        """Maps ``rank``'s pool of the daemon ``client`` talks to."""
+        for pool in client.describe_kv_pools():
+            if pool.rank == rank:
+                return cls(pool)
+        raise ValueError(f"kvcached at {client.address} has no KV pool for rank {rank} "
+                         "(start it with --pool_memory_bytes)")
+
+    def close(self) -> None:
+        """Unmaps the pool (tensors taken from ``blocks`` must be gone by then)."""
+        self.blocks = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive: leave it mapped until collected
+                pass
+            self._mmap = None
+
+    def __enter__(self) -> "KvPoolMapping":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class PooledKvCache(_StepState):
+    """One sequence's K and V in the daemon's KV pool, addressed by its slot table.
+
+    The daemon leased the prefill's slots at OpenSequence; :meth:`open` reads the slot
+    table (``inspect(include_cache=True).kv_slots``), :meth:`load_prefill` writes the
+    prefill's K/V there. A step: ``keys, values = cache.extend(layer, k, v)`` per layer
+    gathers the cached tokens' K/V by slot and appends the new token's (kept aside: its slot
+    comes with the decision); ``cache.apply(decision)`` drops the evicted tokens' slots,
+    follows the compaction moves the daemon made (it moved the bytes; the table follows),
+    and writes the new token's K/V at ``new_token_slot`` on every layer.
+    """
+
+    def __init__(self, mapping: KvPoolMapping, slots: Sequence[int],
+                 positions: Sequence[int], *, next_position: Optional[int] = None) -> None:
+        if len(slots) != len(positions):
+            raise ValueError(f"{len(slots)} slots for {len(positions)} positions")
+        super().__init__(mapping.pool.layers, positions,
+                         next_position if next_position is not None
+                         else (positions[-1] + 1 if positions else 0))
+        self.mapping = mapping
+        self.rank = mapping.rank
+        self.slots: List[int] = [int(s) for s in slots]
+        self._slot_index: Optional[Tuple[Tensor, Tensor]] = None
+
+    @classmethod
+    def open(cls, client: Any, mapping: KvPoolMapping, sequence_id: str) -> "PooledKvCache":
+        """The cache of an open sequence, from the daemon's slot table for this rank."""
+        state = client.inspect(sequence_id, include_cache=True)
+        if mapping.rank not in state.kv_slots:
+            raise ValueError(f"sequence {sequence_id!r} has no slots on rank {mapping.rank}")
+        return cls(mapping, state.kv_slots[mapping.rank], state.positions,
+                   next_position=state.prefill_len + state.last_step)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def _index(self) -> Tuple[Tensor, Tensor]:
+        if self._slot_index is None:
+            slots = torch.tensor(self.slots, dtype=torch.long)
+            tpb = self.mapping.tokens_per_block
+            self._slot_index = (slots // tpb, slots % tpb)
+        return self._slot_index
+
+    def load_prefill(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> None:
+        """Writes the cached tokens' K/V (per layer ``[kv_heads, n, d]``, in position
+        order) into their slots."""
+        blocks, toks = self._index()
+        pool = self.mapping.blocks
+        for layer in range(self.layers):
+            pool[blocks, layer, 0, toks] = keys[layer].transpose(0, 1).to(pool.dtype)
+            pool[blocks, layer, 1, toks] = values[layer].transpose(0, 1).to(pool.dtype)
+
+    def _gather(self, layer: int, kv: int) -> Tensor:
+        blocks, toks = self._index()
+        return self.mapping.blocks[blocks, layer, kv, toks]  # [n, kv_heads, d], a copy
+
+    def keys(self, layer: int) -> Tensor:
+        """``[kv_heads, n, d]``: the cached keys of ``layer``, gathered by slot (a copy)."""
+        return self._gather(layer, 0).transpose(0, 1)
+
+    def values(self, layer: int) -> Tensor:
+        return self._gather(layer, 1).transpose(0, 1)
+
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """Gathers ``layer``'s cached K/V and appends the step's token: ``[kv_heads, n + 1,
+        d]`` each (in the pool's dtype; token-major underneath, like DenseKvCache's)."""
+        self._pend(layer, k, v)
+        dtype = self.mapping.blocks.dtype
+        keys = torch.cat([self._gather(layer, 0), k.to(dtype).unsqueeze(0)], dim=0)
+        values = torch.cat([self._gather(layer, 1), v.to(dtype).unsqueeze(0)], dim=0)
+        return keys.transpose(0, 1), values.transpose(0, 1)
+
+    def apply(self, decision: Any) -> None:
+        """Applies an accepted Decision of this step (its ``kv_changes`` for this rank)."""
+        gone, new_evicted = self._evicted_indices(decision)
+        change = next((c for c in decision.kv_changes if c.rank == self.rank), None)
+        if change is None:
+            raise ValueError(f"step {decision.step} carries no KV change for rank "
+                             f"{self.rank} (is the daemon holding KV pools?)")
+        if (change.new_token_slot < 0) != new_evicted:
+            raise ValueError(f"step {decision.step}: new_token_slot {change.new_token_slot} "
+                             f"but the new token was {'' if new_evicted else 'not '}evicted")
+        if gone:
+            drop = set(gone)
+            self.slots = [s for i, s in enumerate(self.slots) if i not in drop]
+        if change.moves:
+            moved = dict(change.moves)
+            self.slots = [moved.get(s, s) for s in self.slots]
+        if not new_evicted:
+            slot = change.new_token_slot
+            block, tok = divmod(slot, self.mapping.tokens_per_block)
+            pool = self.mapping.blocks
+            for layer, (k, v) in self._pending.items():
+                pool[block, layer, 0, tok] = k.to(pool.dtype)
+                pool[block, layer, 1, tok] = v.to(pool.dtype)
+            self.slots.append(slot)
+        self._slot_index = None
+        self._commit(gone, new_evicted)
+
+
+KvCache = Union[DenseKvCache, PooledKvCache]
