@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "tests/chaos/chaos_client.h"
 #include "tests/server/daemon_process.h"
+#include "tests/server/daemon_test.h"
 
 namespace kvcm {
 namespace {
@@ -37,8 +38,9 @@ std::vector<float> StepScores(int64_t step, int64_t tokens) {
 }
 
 // Steps the sequence "load", `cached` tokens cached before step 1, from step 1 on until
-// `stop` is set or the stream ends (the drain).
-void StepLoadUntil(client::StepStream& stream, int64_t cached, const std::atomic<bool>& stop) {
+// `stop` is set or the stream ends (the drain); counts the steps decided in `stepped`.
+void StepLoadUntil(client::StepStream& stream, int64_t cached, const std::atomic<bool>& stop,
+                   std::atomic<int64_t>& stepped) {
   for (int64_t step = 1; !stop.load(); ++step) {
     v1::StepBatch batch;
     client::SetFloat32Scores(client::AddReport(&batch, "load", step),
@@ -46,6 +48,7 @@ void StepLoadUntil(client::StepStream& stream, int64_t cached, const std::atomic
     const absl::StatusOr<v1::DecisionBatch> reply = stream.Step(batch);
     if (!reply.ok()) return;
     cached = reply->decisions(0).cache_size();
+    ++stepped;
   }
 }
 
@@ -143,15 +146,17 @@ TEST(ChaosTest, HostileClientsNeitherStopTheDaemonNorChangeACorrectClientsDecisi
   // SIGTERM with all of it still going on: the drain cancels the never-reading stream at
   // its deadline, exits 0 and unlinks the pool.
   std::atomic<bool> stop_load{false};
+  std::atomic<int64_t> load_steps{0};
   std::thread load([&] {
     auto s = correct->OpenStepStream();
     if (!s.ok()) return;
     const absl::StatusOr<v1::SequenceState> opened =
         correct->Open(client::OpenRequest("load", 64, 0.5, "inertia"));
     if (!opened.ok()) return;
-    StepLoadUntil(**s, opened->cache_size(), stop_load);
+    StepLoadUntil(**s, opened->cache_size(), stop_load, load_steps);
   });
-  absl::SleepFor(absl::Milliseconds(200));  // let the load start; not a correctness wait
+  EXPECT_TRUE(testing::WaitFor([&] { return load_steps.load() > 0; }, absl::Seconds(20),
+                               "the load stepped before the SIGTERM"));
   EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << (*daemon)->Log();
   stop_load = true;
   load.join();
@@ -227,6 +232,7 @@ TEST(ChaosTest, ARestartMidTraceUnderLoadChangesNoDecision) {
     }
   });
   std::atomic<bool> stop_load{false};
+  std::atomic<int64_t> load_steps{0};
   std::thread load([&, address = (*daemon)->grpc_address()] {
     client::ClientOptions options;
     options.address = address;
@@ -234,9 +240,10 @@ TEST(ChaosTest, ARestartMidTraceUnderLoadChangesNoDecision) {
     if (!c.ok()) return;
     auto s = (*c)->OpenStepStream();
     if (!s.ok()) return;
-    StepLoadUntil(**s, /*cached=*/64, stop_load);
+    StepLoadUntil(**s, /*cached=*/64, stop_load, load_steps);
   });
-  absl::SleepFor(absl::Milliseconds(200));  // let the load start; not a correctness wait
+  EXPECT_TRUE(testing::WaitFor([&] { return load_steps.load() > 0; }, absl::Seconds(20),
+                               "the load stepped before the SIGTERM"));
   EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(20)), 0) << (*daemon)->Log();
   stop_load = true;
   load.join();

@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "cache_manager/sequence.h"
+#include "cache_manager/engine/sequence.h"
 #include "gtest/gtest.h"
 #include "server/translate.h"
 #include "tests/chaos/chaos_client.h"

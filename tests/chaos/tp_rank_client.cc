@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
     if (t == stall_at) {
       std::printf("stalled %lld\n", static_cast<long long>(t));
       std::fflush(stdout);
+      // The stalled forward pass, until the test kills this rank: not a wait for an
+      // event; the bound only lets an orphan exit should the test not get to kill it.
       absl::SleepFor(absl::Seconds(60));
       return 3;
     }

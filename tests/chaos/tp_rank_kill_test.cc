@@ -17,13 +17,14 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
-#include "cache_manager/sequence.h"
+#include "cache_manager/engine/sequence.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/translate.h"
 #include "tests/cache_manager/engine_test_util.h"
 #include "tests/chaos/chaos_client.h"
 #include "tests/server/daemon_process.h"
+#include "tests/server/daemon_test.h"
 
 namespace kvcm::chaos {
 namespace {
@@ -189,13 +190,15 @@ TEST(ChaosTest, AKilledTensorParallelRankTimesOutTheStepAndARestartedRankResumes
   ASSERT_EQ(rank1->ReadLine(absl::Seconds(20)), absl::StrCat("stalled ", kKillAt));
   ASSERT_TRUE(rank0.Send(Rank0Report(kKillAt, cached_before[kKillAt])));
   int32_t reported = 0;
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(20);
-       reported == 0 && absl::Now() < give_up; absl::SleepFor(absl::Milliseconds(5))) {
-    absl::StatusOr<v1::SequenceState> state = c->Inspect("tp", false);
-    ASSERT_TRUE(state.ok()) << state.status();
-    reported = state->ranks_reported();
-  }
-  ASSERT_EQ(reported, 1) << "rank 0's report never reached the join";
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        const absl::StatusOr<v1::SequenceState> state = c->Inspect("tp", false);
+        EXPECT_TRUE(state.ok()) << state.status();
+        reported = state.ok() ? state->ranks_reported() : -1;
+        return reported != 0;
+      },
+      absl::Seconds(20), "rank 0's report reached the join"));
+  ASSERT_EQ(reported, 1);
   const int killed = rank1->Kill();
   EXPECT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL);
 

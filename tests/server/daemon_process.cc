@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
+#include "tests/server/poll.h"
 
 namespace kvcm::testing {
 
@@ -51,15 +52,22 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
     execv(argv[0], argv.data());
     _exit(127);
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (!std::filesystem::exists(port_file)) {
-    int status = 0;
-    if (waitpid(d->pid_, &status, WNOHANG) == d->pid_) {
-      d->pid_ = -1;
-      return absl::InternalError(absl::StrCat("kvcached exited at start: ", d->Log()));
-    }
-    if (absl::Now() > deadline) return absl::DeadlineExceededError("kvcached did not start");
-    absl::SleepFor(absl::Milliseconds(10));
+  // kvcached writes the port file once it serves, and exits at once on a refused start.
+  bool exited = false;
+  const bool started = PollUntil(
+      [&] {
+        if (std::filesystem::exists(port_file)) return true;
+        int status = 0;
+        exited = waitpid(d->pid_, &status, WNOHANG) == d->pid_;
+        return exited;
+      },
+      absl::Now() + absl::Seconds(30));
+  if (exited) {
+    d->pid_ = -1;
+    return absl::InternalError(absl::StrCat("kvcached exited at start: ", d->Log()));
+  }
+  if (!started) {
+    return absl::DeadlineExceededError("kvcached did not write its port file within 30 s");
   }
   std::ifstream in(port_file);
   const nlohmann::json ports = nlohmann::json::parse(in);
@@ -87,16 +95,13 @@ std::unique_ptr<client::KvCacheClient> DaemonProcess::Connect() const {
 int DaemonProcess::SignalAndWait(int signal, absl::Duration timeout) {
   if (pid_ <= 0) return -1;
   kill(pid_, signal);
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
+  int status = 0;
+  if (!PollUntil([&] { return waitpid(pid_, &status, WNOHANG) == pid_; },
+                 absl::Now() + timeout)) {
+    return -1;
   }
-  return -1;
+  pid_ = -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 std::string DaemonProcess::Log() const {

@@ -1,5 +1,6 @@
 // DaemonTest: a gtest fixture that holds a real kvcached (DaemonProcess) and a C++ client
-// of it, and the helpers the integration tests share.
+// of it, and the helpers the integration tests share (WaitFor: poll for what the daemon
+// does after a call has returned, instead of sleeping).
 #ifndef KVCM_TESTS_SERVER_DAEMON_TEST_H_
 #define KVCM_TESTS_SERVER_DAEMON_TEST_H_
 
@@ -7,10 +8,15 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "tests/server/daemon_process.h"
+#include "tests/server/poll.h"
 
 namespace kvcm::testing {
 
@@ -43,6 +49,27 @@ class DaemonTest : public ::testing::Test {
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<client::KvCacheClient> client_;
 };
+
+// PollUntil (tests/server/poll.h) as a gtest assertion: success once `done` holds; at
+// `deadline`, a failure saying that `what` never happened. Use as
+//   ASSERT_TRUE(WaitFor([&] { ... }, absl::Seconds(10), "the sequence was reclaimed"))
+//       << what the test saw last;
+// The deadline bounds a daemon that never does it; it is not a delay.
+template <typename Predicate>
+::testing::AssertionResult WaitFor(Predicate&& done, absl::Time deadline,
+                                   absl::string_view what) {
+  const absl::Time start = absl::Now();
+  if (PollUntil(std::forward<Predicate>(done), deadline)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "never happened within " << absl::FormatDuration(absl::Now() - start) << ": "
+         << what;
+}
+
+template <typename Predicate>
+::testing::AssertionResult WaitFor(Predicate&& done, absl::Duration timeout,
+                                   absl::string_view what) {
+  return WaitFor(std::forward<Predicate>(done), absl::Now() + timeout, what);
+}
 
 // Scores for a cache of `tokens` (after adding the new token): [layers, tokens] f32,
 // uniform in [0, 1), the same for the same seed.

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "cache_manager/sequence.h"
-#include "cache_manager/sequence_slot.h"
+#include "cache_manager/engine/sequence.h"
+#include "cache_manager/table/sequence_slot.h"
 #include "clients/cpp/kvcache_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

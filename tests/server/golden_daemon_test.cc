@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "cache_manager/status_macros.h"
+#include "cache_manager/base/status_macros.h"
 #include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_run.h"
 #include "gmock/gmock.h"

@@ -4,6 +4,7 @@
 // the steps; a too-old id gets RESYNC and a snapshot; a drain ends the watch; and
 // kvcache-events prints the stream as JSON lines.
 #include <atomic>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <functional>
@@ -52,27 +53,24 @@ class Watch {
       while (reader_->Read(&e)) {
         std::lock_guard<std::mutex> lock(mu_);
         events_.push_back(e);
+        changed_.notify_all();
       }
       grpc::Status status = reader_->Finish();
       std::lock_guard<std::mutex> lock(mu_);
       status_ = status;
       ended_ = true;
+      changed_.notify_all();
     });
   }
   ~Watch() { Stop(); }
 
-  // Waits until `done(events)` holds (true) or `timeout` passes (false).
+  // Waits until `done(events)` holds (true) or `timeout` passes (false); woken by each
+  // event received and by the end of the call.
   bool WaitFor(const std::function<bool(const std::vector<v1::KvEvent>&)>& done,
                absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (done(events_)) return true;
-      }
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    return false;
+    std::unique_lock<std::mutex> lock(mu_);
+    return changed_.wait_until(lock, absl::ToChronoTime(absl::Now() + timeout),
+                               [&] { return done(events_); });
   }
   bool WaitForEnd(absl::Duration timeout) {
     return WaitFor([this](const auto&) { return ended_; }, timeout);
@@ -99,6 +97,7 @@ class Watch {
   std::unique_ptr<grpc::ClientReader<v1::KvEvent>> reader_;
   std::thread thread_;
   std::mutex mu_;
+  std::condition_variable changed_;  // an event arrived, or the call ended
   std::vector<v1::KvEvent> events_;
   grpc::Status status_;
   bool ended_ = false;
@@ -172,7 +171,13 @@ TEST_F(KvEventsTest, AMidRunSubscriberThatReconnectsSeesEveryEventExactlyOnceInO
   }
 
   // Connect mid-run, then disconnect and resume three times while the workers go on.
-  while (sequences_done.load() < 4) absl::SleepFor(absl::Milliseconds(1));
+  const ::testing::AssertionResult mid_run = testing::WaitFor(
+      [&] { return sequences_done.load() >= 4; }, absl::Seconds(60),
+      "the workers stepped 4 sequences through");
+  if (!mid_run) {
+    for (std::thread& t : workers) t.join();
+    FAIL() << mid_run.message();
+  }
   std::vector<v1::KvEvent> seen;
   uint64_t after = 0;
   std::string run;
@@ -331,11 +336,9 @@ TEST_F(KvEventsTest, ASubscriberThatNeverReadsIsDroppedWithoutSlowingSteps) {
   request.set_after_event_id(0);
   std::unique_ptr<grpc::ClientReader<v1::KvEvent>> stuck = tight->WatchKvEvents(&context, request);
   // Attached (its RESYNC and snapshot are written), and not reading.
-  const absl::Time attached_by = absl::Now() + absl::Seconds(10);
-  while (MetricValue(Metrics(), "kvcache_kv_event_subscribers") != 1 && absl::Now() < attached_by) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(MetricValue(Metrics(), "kvcache_kv_event_subscribers"), 1);
+  ASSERT_TRUE(testing::WaitFor(
+      [&] { return MetricValue(Metrics(), "kvcache_kv_event_subscribers") == 1; },
+      absl::Seconds(10), "the subscriber that never reads was attached"));
   const absl::Duration watched = run_batches(kBatches);
   const std::string metrics = Metrics();
   EXPECT_EQ(MetricValue(metrics, "kvcache_kv_event_subscribers_dropped_total"), 1);

@@ -5,9 +5,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/table/sequence_table.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -36,11 +37,9 @@ class KvcachedTest : public testing::DaemonTest {
   // out when the server side finishes it): the test then fails instead of depending on a
   // sleep being long enough.
   double EventualMetric(const std::string& series, double want) {
-    double value = MetricValue(Metrics(), series);
-    for (const absl::Time give_up = absl::Now() + absl::Seconds(30);
-         value != want && absl::Now() < give_up; value = MetricValue(Metrics(), series)) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
+    double value = -1;
+    testing::PollUntil([&] { return (value = MetricValue(Metrics(), series)) == want; },
+                       absl::Now() + absl::Seconds(30));
     return value;
   }
 
@@ -48,16 +47,23 @@ class KvcachedTest : public testing::DaemonTest {
   // reaches the join when its engine thread gets to it. 0 after 30 s without any; fails
   // the test when the step was decided meanwhile (on too few reports).
   int32_t RanksReported(const std::string& id, int64_t step) {
-    for (const absl::Time give_up = absl::Now() + absl::Seconds(30); absl::Now() < give_up;
-         absl::SleepFor(absl::Milliseconds(1))) {
-      absl::StatusOr<v1::SequenceState> state = client_->Inspect(id, false);
-      EXPECT_TRUE(state.ok()) << state.status();
-      if (!state.ok()) return -1;
-      EXPECT_EQ(state->last_step(), step - 1) << "step " << step << " was decided";
-      if (state->last_step() != step - 1) return -1;
-      if (state->ranks_reported() > 0) return state->ranks_reported();
-    }
-    return 0;
+    int32_t reported = 0;
+    testing::PollUntil(
+        [&] {
+          absl::StatusOr<v1::SequenceState> state = client_->Inspect(id, false);
+          EXPECT_TRUE(state.ok()) << state.status();
+          if (state.ok()) {
+            EXPECT_EQ(state->last_step(), step - 1) << "step " << step << " was decided";
+          }
+          if (!state.ok() || state->last_step() != step - 1) {
+            reported = -1;
+            return true;  // failed already: waiting longer shows nothing more
+          }
+          reported = state->ranks_reported();
+          return reported > 0;
+        },
+        absl::Now() + absl::Seconds(30));
+    return reported;
   }
 };
 
@@ -465,7 +471,8 @@ TEST_F(KvcachedTest, SigtermRefusesNewCallsServesOpenStreamsAndExitsZero) {
   ASSERT_EQ(reply->decisions_size(), kSequences);
   for (const auto& d : reply->decisions()) EXPECT_EQ(d.code(), kOk) << d.message();
   // Once draining, new calls are refused...
-  while (MetricValue(Metrics(), "kvcache_serving") != 0) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(testing::WaitFor([&] { return MetricValue(Metrics(), "kvcache_serving") == 0; },
+                               absl::Seconds(20), "kvcache_serving went to 0 after SIGTERM"));
   EXPECT_EQ(client_->Open(client::OpenRequest("late", 10, 0.5, "tova")).status().code(),
             absl::StatusCode::kUnavailable);
   // ...while the open stream keeps deciding the steps of its sequences.
@@ -548,12 +555,17 @@ TEST_F(KvcachedTest, ARankThatNeverReportsDoesNotHoldTheOthersForever) {
 
 TEST_F(KvcachedLimitsTest, IdleSequencesAreReclaimed) {
   ASSERT_TRUE(client_->Open(client::OpenRequest("idle", 10, 0.5, "h2o")).ok());
-  absl::SleepFor(absl::Milliseconds(2500));
+  // Reclaimed by the reclaimer's first pass after --idle_timeout (1 s); the deadline only
+  // bounds a daemon that never reclaims. The poll reads the log, written last, and not
+  // the sequence: an Inspect would count as activity and keep it alive.
+  ASSERT_TRUE(testing::WaitFor(
+      [&] { return absl::StrContains(daemon_->Log(), "reclaimed sequence 'idle'"); },
+      absl::Seconds(20), "the idle sequence was reclaimed"))
+      << daemon_->Log();
+  const std::string reclaimed =
+      R"(kvcache_sequences_closed_total{policy="h2o",reason="idle_timeout"})";
   EXPECT_EQ(client_->Inspect("idle", false).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(MetricValue(Metrics(),
-                        R"(kvcache_sequences_closed_total{policy="h2o",reason="idle_timeout"})"),
-            1);
-  EXPECT_THAT(daemon_->Log(), HasSubstr("reclaimed sequence 'idle'"));
+  EXPECT_EQ(MetricValue(Metrics(), reclaimed), 1);
 }
 
 }  // namespace

@@ -18,10 +18,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "cache_manager/sequence_table.h"
-#include "cache_manager/check.h"
-#include "cache_manager/snapshot.h"
-#include "cache_manager/status_macros.h"
+#include "cache_manager/table/sequence_table.h"
+#include "cache_manager/base/check.h"
+#include "cache_manager/persist/snapshot.h"
+#include "cache_manager/base/status_macros.h"
 #include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_run.h"
 #include "gmock/gmock.h"
@@ -398,9 +398,12 @@ TEST(RestartTest, APendingTensorParallelStepIsAbandonedAndSentAgainAfterTheResta
     auto rank0 = client->OpenStepStream();
     ASSERT_TRUE(rank0.ok());
     ASSERT_TRUE((*rank0)->Send(OneReport("tp", 1, scores, 1, 0, 1)).ok());
-    for (int i = 0; i < 200 && client->Inspect("tp", false)->ranks_reported() < 1; ++i) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
+    ASSERT_TRUE(testing::WaitFor(
+        [&] {
+          const absl::StatusOr<v1::SequenceState> tp = client->Inspect("tp", false);
+          return tp.ok() && tp->ranks_reported() >= 1;
+        },
+        absl::Seconds(10), "rank 0's report reached the join"));
     ASSERT_EQ(client->Inspect("tp", false)->ranks_reported(), 1);
     ASSERT_EQ(daemon->SignalAndWait(SIGTERM, absl::Seconds(20)), 0);
     // The rank that reported got no decision: its stream ended with the daemon.

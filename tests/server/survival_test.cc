@@ -106,19 +106,24 @@ class StreamIdleTest : public DaemonTest {
   std::unique_ptr<client::StepStream> StreamThatGetsASlot(const v1::StepBatch& batch,
                                                           absl::Duration within,
                                                           absl::Status* last_refusal) {
-    const absl::Time deadline = absl::Now() + within;
-    while (absl::Now() < deadline) {
-      absl::StatusOr<std::unique_ptr<client::StepStream>> stream = client_->OpenStepStream();
-      if (!stream.ok()) {
-        *last_refusal = stream.status();
-        continue;
-      }
-      absl::StatusOr<v1::DecisionBatch> reply = (*stream)->Step(batch);
-      if (reply.ok()) return *std::move(stream);
-      *last_refusal = reply.status();
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    return nullptr;
+    std::unique_ptr<client::StepStream> served;
+    testing::PollUntil(
+        [&] {
+          absl::StatusOr<std::unique_ptr<client::StepStream>> stream = client_->OpenStepStream();
+          if (!stream.ok()) {
+            *last_refusal = stream.status();
+            return false;
+          }
+          absl::StatusOr<v1::DecisionBatch> reply = (*stream)->Step(batch);
+          if (!reply.ok()) {
+            *last_refusal = reply.status();
+            return false;
+          }
+          served = *std::move(stream);
+          return true;
+        },
+        absl::Now() + within);
+    return served;
   }
 };
 
@@ -189,12 +194,8 @@ health::HealthCheckResponse::ServingStatus Health(const std::shared_ptr<grpc::Ch
 // Polls Health over a channel from `channel_for_try` until it says `want` or `within` passes.
 bool HealthBecomes(const std::function<std::shared_ptr<grpc::Channel>()>& channel_for_try,
                    health::HealthCheckResponse::ServingStatus want, absl::Duration within) {
-  const absl::Time deadline = absl::Now() + within;
-  while (absl::Now() < deadline) {
-    if (Health(channel_for_try(), absl::Seconds(1)) == want) return true;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
-  return false;
+  return testing::PollUntil([&] { return Health(channel_for_try(), absl::Seconds(1)) == want; },
+                            absl::Now() + within);
 }
 
 // A counter or gauge of the daemon's /metrics (-1 when it cannot be read).
