@@ -67,23 +67,26 @@ void ToProto(const KvEvent& e, absl::string_view daemon_run, ::kvcache::v1::KvEv
   }
 }
 
-KvEventsReactor::KvEventsReactor(std::unique_ptr<KvEventSubscription> subscription,
-                                 std::string daemon_run)
-    : daemon_run_(std::move(daemon_run)), subscription_(std::move(subscription)) {}
+KvEventsReactor::KvEventsReactor(std::string daemon_run) : daemon_run_(std::move(daemon_run)) {}
 
-void KvEventsReactor::Start(const grpc::Status& refusal) {
-  KvEventSubscription* subscription = nullptr;
-  {
-    MutexLock lock(&mu_);
-    if (!refusal.ok() || subscription_ == nullptr) finished_ = true;
-    subscription = subscription_.get();
-  }
-  if (subscription == nullptr || !refusal.ok()) {
+void KvEventsReactor::Start(std::unique_ptr<KvEventSubscription> subscription,
+                            const grpc::Status& refusal) {
+  if (!refusal.ok() || subscription == nullptr) {
+    {
+      MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    subscription.reset();
     Finish(refusal.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "no subscription") : refusal);
     return;
   }
-  // The subscription lives until OnDone, which waits for a wakeup in progress.
+  // The subscription lives until OnDone, which waits for a wakeup in progress. The wakeup
+  // is set before the subscription is published: Pump finds it only under mu_.
   subscription->SetWakeup([this] { Pump(); });
+  {
+    MutexLock lock(&mu_);
+    subscription_ = std::move(subscription);
+  }
   Pump();
 }
 

@@ -1,5 +1,5 @@
 // KvEventsReactor: one WatchKvEvents call, i.e. one subscriber of the daemon's KV events
-// (cache_manager/kv_events.h). Writes one event at a time, taken from its subscription;
+// (cache_manager/events/kv_events.h). Writes one event at a time, taken from its subscription;
 // the log bounds what a subscriber may leave unread (past it the subscriber is dropped,
 // gets a RESYNC marker, and the call ends ABORTED), so the reactor buffers one event.
 // Never blocks: when the subscription has nothing, the reactor waits for its wakeup, which
@@ -10,7 +10,7 @@
 // when the subscriber is dropped.
 //
 // Lifetime: deletes itself in OnDone, once its subscription is gone (which waits for a
-// wakeup in progress).
+// wakeup in progress). OnDone comes only after Finish, so the reactor lives until Start.
 #ifndef KVCM_SERVER_KV_EVENTS_REACTOR_H_
 #define KVCM_SERVER_KV_EVENTS_REACTOR_H_
 
@@ -19,8 +19,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/string_view.h"
-#include "cache_manager/mutex.h"
-#include "cache_manager/kv_events.h"
+#include "cache_manager/base/mutex.h"
+#include "cache_manager/events/kv_events.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "kvcache/v1/kvcache.pb.h"
@@ -33,11 +33,13 @@ void ToProto(const KvEvent& event, absl::string_view daemon_run, ::kvcache::v1::
 // Writes serialized KvEvents: the service takes WatchKvEvents raw (kvcache_service.h).
 class KvEventsReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  // `subscription` may be null when the call is refused (Start with a non-OK status).
-  KvEventsReactor(std::unique_ptr<KvEventSubscription> subscription, std::string daemon_run);
+  explicit KvEventsReactor(std::string daemon_run);
 
-  // Starts writing, or ends the call at once with `refusal` when it is not OK.
-  void Start(const grpc::Status& refusal);
+  // Starts writing `subscription`'s events, or ends the call at once with `refusal` when it
+  // is not OK (`subscription` may then be null). Called once, from any thread, possibly
+  // after OnCancel (the subscription is taken on an engine thread while gRPC may already
+  // have cancelled the call): the call then ends CANCELLED.
+  void Start(std::unique_ptr<KvEventSubscription> subscription, const grpc::Status& refusal);
 
   void OnWriteDone(bool ok) override;
   void OnCancel() override;

@@ -1,10 +1,15 @@
 #include "server/kvcache_service.h"
 
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/kv_events_reactor.h"
 #include "server/step_stream_reactor.h"
-#include "cache_manager/status_macros.h"
+#include "cache_manager/base/status_macros.h"
 #include "server/translate.h"
 
 namespace kvcm::server {
@@ -12,31 +17,32 @@ namespace {
 
 namespace v1 = ::kvcache::v1;
 
-// Every unary RPC goes through this: counts the request, and its failure by code.
+// Every unary RPC goes through this: counts the request, and its failure by code, through
+// the RPC's RpcAccount (the streams use theirs directly).
 class UnaryCall {
  public:
-  UnaryCall(Rpc rpc, grpc::ServerUnaryReactor* reactor, ServerMetrics* metrics,
-            int64_t request_bytes)
-      : rpc_(rpc), reactor_(reactor), metrics_(metrics) {
-    metrics_->Request(rpc, request_bytes);
+  UnaryCall(RpcAccount account, grpc::ServerUnaryReactor* reactor, int64_t request_bytes)
+      : account_(account), reactor_(reactor) {
+    account_.Received(request_bytes);
   }
-  UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
-            int64_t request_bytes)
-      : UnaryCall(rpc, context->DefaultReactor(), metrics, request_bytes) {}
-  UnaryCall(Rpc rpc, grpc::CallbackServerContext* context, ServerMetrics* metrics,
-            const google::protobuf::Message& request)
-      : UnaryCall(rpc, context, metrics, static_cast<int64_t>(request.ByteSizeLong())) {}
+  UnaryCall(RpcAccount account, grpc::CallbackServerContext* context,
+            const grpc::ByteBuffer& raw_request)
+      : UnaryCall(account, context->DefaultReactor(),
+                  static_cast<int64_t>(raw_request.Length())) {}
 
+  Rpc rpc() const { return account_.rpc(); }
+  grpc::ServerUnaryReactor* reactor() const { return reactor_; }
+
+  // Thread-safe (ServerUnaryReactor::Finish is), so an engine thread may finish the call.
   grpc::ServerUnaryReactor* Finish(const absl::Status& status) {
-    if (!status.ok()) metrics_->Error(rpc_, status.code());
+    account_.Record(status);
     reactor_->Finish(ToGrpc(status));
     return reactor_;
   }
 
  private:
-  const Rpc rpc_;
-  grpc::ServerUnaryReactor* const reactor_;
-  ServerMetrics* const metrics_;
+  RpcAccount account_;
+  grpc::ServerUnaryReactor* reactor_;
 };
 
 // A response into the bytes gRPC sends.
@@ -47,24 +53,137 @@ void SerializeTo(const Message& message, grpc::ByteBuffer* out) {
   (void)grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
 }
 
-// A unary RPC on raw bytes: counts it, checks the caller's token (`tenant`), parses its
-// Request (INVALID_ARGUMENT when it does not parse), runs `handle(request, tenant,
-// &response)` and sends the response when it is OK.
-template <typename Request, typename Response, typename Handler>
-grpc::ServerUnaryReactor* RawUnary(Rpc rpc, grpc::CallbackServerContext* context,
-                                   ServerMetrics* metrics, const absl::StatusOr<std::string>& tenant,
-                                   const grpc::ByteBuffer& raw_request,
-                                   grpc::ByteBuffer* raw_response, Handler handle) {
-  UnaryCall call(rpc, context, metrics, static_cast<int64_t>(raw_request.Length()));
-  if (!tenant.ok()) return call.Finish(tenant.status());
-  Request request;
-  if (absl::Status parsed = ParseRequest(raw_request, &request); !parsed.ok()) {
-    return call.Finish(parsed);
+// Runs `work` once on engine thread `shard`, carried there on the heap. OK, or why it was
+// not queued (then nothing runs): RESOURCE_EXHAUSTED naming the queue, or UNAVAILABLE when
+// the engine is stopping, each with what `rpc` should do about it.
+absl::Status RunOnEngine(StepExecutor* executor, int32_t shard, Rpc rpc,
+                         absl::AnyInvocable<void()> work) {
+  using Work = absl::AnyInvocable<void()>;
+  auto owned = std::make_unique<Work>(std::move(work));
+  const StepExecutor::Task task{[](void* context, int32_t /*shard*/) {
+                                  std::unique_ptr<Work> mine(static_cast<Work*>(context));
+                                  (*mine)();
+                                },
+                                owned.get()};
+  absl::Status posted = executor->TryPost(shard, task);
+  if (posted.ok()) {
+    owned.release();  // the task deletes it
+    return posted;
   }
-  Response response;
-  absl::Status status = handle(request, *tenant, &response);
-  if (status.ok()) SerializeTo(response, raw_response);
-  return call.Finish(status);
+  const bool stopping = posted.code() == absl::StatusCode::kUnavailable;
+  return absl::Status(posted.code(),
+                      absl::StrCat(RpcName(rpc), " was not run: ", posted.message(),
+                                   stopping ? "; kvcached is shutting down, so retry against "
+                                              "the daemon that replaces it"
+                                            : ""));
+}
+
+// One unary call on raw bytes from its parsed request to its reply. Heap-allocated: it
+// owns the request, the caller's tenant and the handler until the call is finished, on
+// whichever thread runs it (the gRPC thread, or an engine thread), then deletes itself.
+template <typename Request, typename Response>
+class UnaryTask {
+ public:
+  // The handler: the parsed request and the caller's tenant in, the response out.
+  using Handler =
+      absl::AnyInvocable<absl::Status(const Request&, const std::string& tenant, Response*)>;
+
+  // Checks the caller's token (`tenant`) and parses the request; null (the call finished
+  // with why) when either fails.
+  static UnaryTask* Begin(UnaryCall call, const absl::StatusOr<std::string>& tenant,
+                          const grpc::ByteBuffer& raw_request, grpc::ByteBuffer* raw_response,
+                          Handler handle) {
+    if (!tenant.ok()) {
+      call.Finish(tenant.status());
+      return nullptr;
+    }
+    auto* task = new UnaryTask(call, *tenant, raw_response, std::move(handle));
+    if (absl::Status parsed = ParseRequest(raw_request, &task->request_); !parsed.ok()) {
+      task->Finish(parsed);
+      return nullptr;
+    }
+    return task;
+  }
+
+  const Request& request() const { return request_; }
+  const std::string& tenant() const { return tenant_; }
+
+  // Handles the request on this thread, sends the response when OK, finishes the call.
+  void Run() {
+    Response response;
+    absl::Status status = handle_(request_, tenant_, &response);
+    if (status.ok()) SerializeTo(response, raw_response_);
+    Finish(status);
+  }
+
+  // Run, on engine thread `shard`; finishes the call with why when it cannot be queued.
+  void RunOn(StepExecutor* executor, int32_t shard) {
+    absl::Status posted = RunOnEngine(executor, shard, call_.rpc(), [this] { Run(); });
+    if (!posted.ok()) Finish(posted);
+  }
+
+ private:
+  UnaryTask(UnaryCall call, std::string tenant, grpc::ByteBuffer* raw_response, Handler handle)
+      : call_(call),
+        tenant_(std::move(tenant)),
+        raw_response_(raw_response),
+        handle_(std::move(handle)) {}
+
+  void Finish(const absl::Status& status) {
+    call_.Finish(status);
+    delete this;
+  }
+
+  UnaryCall call_;
+  const std::string tenant_;
+  grpc::ByteBuffer* const raw_response_;  // gRPC's, valid until the call is done
+  Handler handle_;
+  Request request_;
+};
+
+// A unary RPC whose work never waits for the engine (the pools' description, score
+// regions): counted, authenticated, parsed and handled on the gRPC thread.
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* RawUnary(UnaryCall call, const absl::StatusOr<std::string>& tenant,
+                                   const grpc::ByteBuffer& raw_request,
+                                   grpc::ByteBuffer* raw_response,
+                                   typename UnaryTask<Request, Response>::Handler handle) {
+  grpc::ServerUnaryReactor* const reactor = call.reactor();
+  auto* task = UnaryTask<Request, Response>::Begin(call, tenant, raw_request, raw_response,
+                                                   std::move(handle));
+  if (task != nullptr) task->Run();
+  return reactor;
+}
+
+// A unary RPC with table work: counted, authenticated and parsed on the gRPC thread, then
+// handled on the engine thread `shard_of(executor, request, tenant)` names, behind the
+// steps already queued there; that thread finishes the call.
+template <typename Request, typename Response, typename ShardOf>
+grpc::ServerUnaryReactor* EngineUnary(UnaryCall call, const absl::StatusOr<std::string>& tenant,
+                                      const grpc::ByteBuffer& raw_request,
+                                      grpc::ByteBuffer* raw_response, StepExecutor* executor,
+                                      ShardOf shard_of,
+                                      typename UnaryTask<Request, Response>::Handler handle) {
+  grpc::ServerUnaryReactor* const reactor = call.reactor();  // the task may be gone below
+  auto* task = UnaryTask<Request, Response>::Begin(call, tenant, raw_request, raw_response,
+                                                   std::move(handle));
+  if (task != nullptr) task->RunOn(executor, shard_of(*executor, task->request(), task->tenant()));
+  return reactor;
+}
+
+// The engine thread of the request's sequence: its Open, steps, Inspect and Close run
+// there in the order they arrive, and never contend for its slot with one another.
+template <typename Request>
+int32_t ShardOfSequence(const StepExecutor& executor, const Request& request,
+                        const std::string& /*tenant*/) {
+  return executor.ShardOf(request.sequence_id());
+}
+
+// Work over every sequence of a tenant (a list, a KV events snapshot) has no engine thread
+// of its own: any one keeps it off the gRPC threads, and it waits there only for steps
+// in progress, as it would anywhere. The tenant's shard spreads tenants over the threads.
+int32_t ShardOfTenant(const StepExecutor& executor, const std::string& tenant) {
+  return executor.ShardOf(tenant);
 }
 
 // A unary call whose reply holds bytes charged to the memory budget (--memory_limit_bytes):
@@ -73,6 +192,7 @@ class ChargedReplyReactor final : public grpc::ServerUnaryReactor {
  public:
   explicit ChargedReplyReactor(ByteBudget* budget) : budget_(budget) {}
   // Charges `bytes` when they fit; false (nothing taken) when not, with the refusal.
+  // Called at most once per call, before Finish (so OnDone sees `charged_`).
   absl::Status Charge(int64_t bytes, absl::string_view what) {
     const ByteBudget* refused_by = budget_;
     if (!budget_->TryTake(bytes, &refused_by)) {
@@ -116,9 +236,10 @@ class UnaryStep final : public BatchCompletion {
     reactor_->Finish(grpc::Status::OK);
     delete this;
   }
-  // Ends the call with `status` and no reply (its request did not parse).
-  void Refuse(const grpc::Status& status) {
-    reactor_->Finish(status);
+  // Ends `call` (this Step) with `status` and no reply: its request did not parse, or its
+  // caller has no token. Counted as a unary call: the processor counts the batches it runs.
+  void Refuse(UnaryCall call, const absl::Status& status) {
+    call.Finish(status);
     delete this;
   }
 
@@ -137,6 +258,7 @@ KvCacheService::KvCacheService(const ServerOptions& options, SequenceTable* tabl
     : options_(options),
       table_(table),
       pools_(pools),
+      executor_(executor),
       regions_(regions),
       metrics_(metrics),
       tokens_(tokens),
@@ -158,8 +280,12 @@ absl::StatusOr<std::string> KvCacheService::Authenticate(
 grpc::ServerUnaryReactor* KvCacheService::OpenSequence(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* raw_request,
                                                        grpc::ByteBuffer* raw_response) {
-  return RawUnary<v1::OpenSequenceRequest, v1::OpenSequenceResponse>(
-      Rpc::kOpenSequence, context, metrics_, Authenticate(context), *raw_request, raw_response,
+  // On the sequence's engine thread: an Open builds engine state (device memory with the
+  // CUDA engine), and a step sent right after it queues behind it.
+  return EngineUnary<v1::OpenSequenceRequest, v1::OpenSequenceResponse>(
+      UnaryCall(RpcAccount(Rpc::kOpenSequence, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response, executor_,
+      ShardOfSequence<v1::OpenSequenceRequest>,
       [this](const v1::OpenSequenceRequest& request, const std::string& tenant,
              v1::OpenSequenceResponse* response) {
         absl::StatusOr<OpenParams> params = FromProto(request);
@@ -176,8 +302,12 @@ grpc::ServerUnaryReactor* KvCacheService::OpenSequence(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* KvCacheService::CloseSequence(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* raw_request,
                                                         grpc::ByteBuffer* raw_response) {
-  return RawUnary<v1::CloseSequenceRequest, v1::CloseSequenceResponse>(
-      Rpc::kCloseSequence, context, metrics_, Authenticate(context), *raw_request, raw_response,
+  // On the sequence's engine thread, after the steps queued before it: a step in progress
+  // holds the slot the Close takes.
+  return EngineUnary<v1::CloseSequenceRequest, v1::CloseSequenceResponse>(
+      UnaryCall(RpcAccount(Rpc::kCloseSequence, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response, executor_,
+      ShardOfSequence<v1::CloseSequenceRequest>,
       [this](const v1::CloseSequenceRequest& request, const std::string& tenant,
              v1::CloseSequenceResponse* response) {
         absl::StatusOr<SequenceInfo> last = table_->Close(request.sequence_id(), tenant);
@@ -191,42 +321,48 @@ grpc::ServerUnaryReactor* KvCacheService::CloseSequence(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* KvCacheService::InspectSequence(grpc::CallbackServerContext* context,
                                                           const grpc::ByteBuffer* raw_request,
                                                           grpc::ByteBuffer* raw_response) {
-  // The reply's bytes are held until OnDone, so the reactor is our own, not RawUnary's.
+  // The reply's bytes are held until OnDone, so the reactor is our own. On the sequence's
+  // engine thread: the Inspect waits for the slot a step holds, and with include_cache
+  // copies the cache (device memory with the CUDA engine).
   auto* reactor = new ChargedReplyReactor(table_->memory_budget());
-  UnaryCall call(Rpc::kInspectSequence, reactor, metrics_,
-                 static_cast<int64_t>(raw_request->Length()));
-  const absl::StatusOr<std::string> tenant = Authenticate(context);
-  if (!tenant.ok()) return call.Finish(tenant.status());
-  v1::InspectSequenceRequest request;
-  if (absl::Status parsed = ParseRequest(*raw_request, &request); !parsed.ok()) {
-    return call.Finish(parsed);
-  }
-  if (request.include_cache()) {
-    // The reply grows with the cache (up to --max_sequence_tokens entries): its bytes are
-    // taken before it is built, as a step takes what its growth needs. Steps decided in
-    // between add a token each at most (the cache stops at its budget); not charged.
-    absl::StatusOr<SequenceInfo> brief = table_->Inspect(request.sequence_id(), false, *tenant);
-    if (!brief.ok()) return call.Finish(brief.status());
-    const int32_t ranks = pools_ != nullptr ? pools_->ranks() : 0;
-    if (absl::Status charged = reactor->Charge(InspectReplyBytes(brief->cache_size, ranks),
-                                               "InspectSequence with include_cache");
-        !charged.ok()) {
-      return call.Finish(charged);
-    }
-  }
-  absl::StatusOr<SequenceInfo> info = table_->Inspect(request.sequence_id(), request.include_cache(), *tenant);
-  if (!info.ok()) return call.Finish(info.status());
-  v1::InspectSequenceResponse response;
-  ToProto(*info, absl::Now(), response.mutable_state());
-  SerializeTo(response, raw_response);
-  return call.Finish(absl::OkStatus());
+  return EngineUnary<v1::InspectSequenceRequest, v1::InspectSequenceResponse>(
+      UnaryCall(RpcAccount(Rpc::kInspectSequence, metrics_), reactor,
+                static_cast<int64_t>(raw_request->Length())),
+      Authenticate(context), *raw_request, raw_response, executor_,
+      ShardOfSequence<v1::InspectSequenceRequest>,
+      [this, reactor](const v1::InspectSequenceRequest& request, const std::string& tenant,
+                      v1::InspectSequenceResponse* response) {
+        if (request.include_cache()) {
+          // The reply grows with the cache (up to --max_sequence_tokens entries): its bytes
+          // are taken before it is built, as a step takes what its growth needs. Steps
+          // decided in between add a token each at most (the cache stops at its budget);
+          // not charged.
+          absl::StatusOr<SequenceInfo> brief =
+              table_->Inspect(request.sequence_id(), false, tenant);
+          if (!brief.ok()) return brief.status();
+          const int32_t ranks = pools_ != nullptr ? pools_->ranks() : 0;
+          RETURN_IF_ERROR(reactor->Charge(InspectReplyBytes(brief->cache_size, ranks),
+                                          "InspectSequence with include_cache"));
+        }
+        absl::StatusOr<SequenceInfo> info =
+            table_->Inspect(request.sequence_id(), request.include_cache(), tenant);
+        if (!info.ok()) return info.status();
+        ToProto(*info, absl::Now(), response->mutable_state());
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* raw_request,
                                                         grpc::ByteBuffer* raw_response) {
-  return RawUnary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
-      Rpc::kListSequences, context, metrics_, Authenticate(context), *raw_request, raw_response,
+  // A list reads every slot of the tenant, waiting for steps in progress: on one engine
+  // thread (ShardOfTenant), not fanned out, since the list promises no order with any one
+  // sequence's steps and a single task keeps it one call's work.
+  return EngineUnary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
+      UnaryCall(RpcAccount(Rpc::kListSequences, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response, executor_,
+      [](const StepExecutor& executor, const v1::ListSequencesRequest& /*request*/,
+         const std::string& tenant) { return ShardOfTenant(executor, tenant); },
       [this](const v1::ListSequencesRequest& /*request*/, const std::string& tenant,
              v1::ListSequencesResponse* response) {
         const absl::Time now = absl::Now();
@@ -241,8 +377,8 @@ grpc::ServerUnaryReactor* KvCacheService::DescribeKvPools(grpc::CallbackServerCo
                                                           const grpc::ByteBuffer* raw_request,
                                                           grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::DescribeKvPoolsRequest, v1::DescribeKvPoolsResponse>(
-      Rpc::kDescribeKvPools, context, metrics_, Authenticate(context), *raw_request,
-      raw_response,
+      UnaryCall(RpcAccount(Rpc::kDescribeKvPools, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response,
       [this](const v1::DescribeKvPoolsRequest& /*request*/, const std::string& /*tenant*/,
              v1::DescribeKvPoolsResponse* response) {
         if (pools_ != nullptr) {
@@ -257,20 +393,20 @@ grpc::ServerUnaryReactor* KvCacheService::DescribeKvPools(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* KvCacheService::Step(grpc::CallbackServerContext* context,
                                                const grpc::ByteBuffer* raw_request,
                                                grpc::ByteBuffer* raw_response) {
-  // Requests, per-sequence errors and batch time are recorded by the processor; the call
-  // itself cannot fail once the batch parsed.
+  // A batch that runs is counted by the processor (one request, and one error per failed
+  // report); the call itself cannot fail once the batch parsed.
+  const RpcAccount account(Rpc::kStep, metrics_);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto* call = new UnaryStep(reactor, raw_response);
   absl::StatusOr<std::string> tenant = Authenticate(context);
   absl::Status refused = tenant.status();
   if (refused.ok()) refused = ParseRequest(*raw_request, &call->request());
   if (!refused.ok()) {
-    metrics_->Request(Rpc::kStep, static_cast<int64_t>(raw_request->Length()));
-    metrics_->Error(Rpc::kStep, refused.code());
-    call->Refuse(ToGrpc(refused));
+    call->Refuse(UnaryCall(account, reactor, static_cast<int64_t>(raw_request->Length())),
+                 refused);
     return reactor;
   }
-  processor_.Process(call->request(), *tenant, Rpc::kStep, &call->batch(), call);
+  processor_.Process(call->request(), *tenant, account, &call->batch(), call);
   return reactor;
 }
 
@@ -284,8 +420,8 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterScoreRegion(grpc::CallbackServ
                                                               const grpc::ByteBuffer* raw_request,
                                                               grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::RegisterScoreRegionRequest, v1::RegisterScoreRegionResponse>(
-      Rpc::kRegisterScoreRegion, context, metrics_, Authenticate(context), *raw_request,
-      raw_response,
+      UnaryCall(RpcAccount(Rpc::kRegisterScoreRegion, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response,
       [this](const v1::RegisterScoreRegionRequest& request, const std::string& tenant,
              v1::RegisterScoreRegionResponse* response) {
         RETURN_IF_ERROR(RegionsAllowed());
@@ -301,8 +437,8 @@ grpc::ServerUnaryReactor* KvCacheService::CreateScoreRegion(grpc::CallbackServer
                                                             const grpc::ByteBuffer* raw_request,
                                                             grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::CreateScoreRegionRequest, v1::CreateScoreRegionResponse>(
-      Rpc::kCreateScoreRegion, context, metrics_, Authenticate(context), *raw_request,
-      raw_response,
+      UnaryCall(RpcAccount(Rpc::kCreateScoreRegion, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response,
       [this](const v1::CreateScoreRegionRequest& request, const std::string& tenant,
              v1::CreateScoreRegionResponse* response) {
         RETURN_IF_ERROR(RegionsAllowed());
@@ -318,8 +454,8 @@ grpc::ServerUnaryReactor* KvCacheService::UnregisterScoreRegion(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
     grpc::ByteBuffer* raw_response) {
   return RawUnary<v1::UnregisterScoreRegionRequest, v1::UnregisterScoreRegionResponse>(
-      Rpc::kUnregisterScoreRegion, context, metrics_, Authenticate(context), *raw_request,
-      raw_response,
+      UnaryCall(RpcAccount(Rpc::kUnregisterScoreRegion, metrics_), context, *raw_request),
+      Authenticate(context), *raw_request, raw_response,
       [this](const v1::UnregisterScoreRegionRequest& request, const std::string& tenant,
              v1::UnregisterScoreRegionResponse* /*response*/) {
         RETURN_IF_ERROR(RegionsAllowed());
@@ -349,50 +485,56 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Ste
     }
     ++open_streams_;  // refused ones too: every reactor reports StreamDone
   }
-  if (!refusal.ok()) metrics_->Error(Rpc::kStepStream, static_cast<absl::StatusCode>(refusal.error_code()));
-  reactor->Start(refusal);
+  reactor->Start(refusal);  // counts a refusal as one of StepStream's errors
   return reactor;
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvCacheService::WatchKvEvents(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
-  metrics_->Request(Rpc::kWatchKvEvents, static_cast<int64_t>(raw_request->Length()));
+  const RpcAccount account(Rpc::kWatchKvEvents, metrics_);
+  account.Received(static_cast<int64_t>(raw_request->Length()));
   KvEventLog* const log = table_->kv_events();
+  auto* reactor = new KvEventsReactor(log != nullptr ? log->run() : "");
   absl::StatusOr<std::string> tenant = Authenticate(context);
   v1::WatchKvEventsRequest request;
   absl::Status refusal = tenant.status();
   if (refusal.ok()) refusal = ParseRequest(*raw_request, &request);
-  std::unique_ptr<KvEventSubscription> subscription;
-  if (!refusal.ok()) {
-    // Refused before anything else.
-  } else if (log == nullptr) {
+  if (refusal.ok() && log == nullptr) {
     refusal = absl::FailedPreconditionError(
         "kvcached runs with --kv_events_ring=0: it keeps no KV events");
-  } else {
-    // The subscriber sees only its tenant's sequences (KvEventSubscription::tenant).
-    absl::StatusOr<std::unique_ptr<KvEventSubscription>> subscribed = table_->SubscribeKvEvents(
-        request.after_event_id(), request.daemon_run(), *tenant);
-    if (subscribed.ok()) {
-      subscription = *std::move(subscribed);
-    } else {
-      refusal = subscribed.status();
-    }
   }
   if (refusal.ok()) {
-    // Checked after subscribing: StartDraining sets draining_ before it ends the
-    // subscriptions, so a subscription it missed is refused here.
-    MutexLock lock(&mu_);
-    if (draining_) {
-      refusal = absl::UnavailableError("kvcached is draining; watch another daemon's KV events");
-    }
+    // The subscription's snapshot reads every sequence of the tenant, waiting for steps in
+    // progress: on an engine thread (ShardOfTenant says which), which starts the reactor.
+    refusal = RunOnEngine(
+        executor_, ShardOfTenant(*executor_, *tenant), Rpc::kWatchKvEvents,
+        [this, reactor, account, request = std::move(request), tenant = *tenant] {
+          absl::StatusOr<std::unique_ptr<KvEventSubscription>> subscribed =
+              Subscribe(request, tenant);
+          account.Record(subscribed.status());
+          reactor->Start(subscribed.ok() ? *std::move(subscribed) : nullptr,
+                         ToGrpc(subscribed.status()));
+        });
+    if (refusal.ok()) return reactor;
   }
-  if (!refusal.ok()) {
-    subscription.reset();
-    metrics_->Error(Rpc::kWatchKvEvents, refusal.code());
-  }
-  auto* reactor = new KvEventsReactor(std::move(subscription), log != nullptr ? log->run() : "");
-  reactor->Start(ToGrpc(refusal));
+  account.Record(refusal);
+  reactor->Start(nullptr, ToGrpc(refusal));
   return reactor;
+}
+
+absl::StatusOr<std::unique_ptr<KvEventSubscription>> KvCacheService::Subscribe(
+    const ::kvcache::v1::WatchKvEventsRequest& request, const std::string& tenant) {
+  // The subscriber sees only its tenant's sequences (KvEventSubscription::tenant).
+  absl::StatusOr<std::unique_ptr<KvEventSubscription>> subscribed =
+      table_->SubscribeKvEvents(request.after_event_id(), request.daemon_run(), tenant);
+  if (!subscribed.ok()) return subscribed.status();
+  // Checked after subscribing: StartDraining sets draining_ before it ends the
+  // subscriptions, so a subscription it missed is refused here (and dropped).
+  MutexLock lock(&mu_);
+  if (draining_) {
+    return absl::UnavailableError("kvcached is draining; watch another daemon's KV events");
+  }
+  return subscribed;
 }
 
 void KvCacheService::StartDraining() {

@@ -1,9 +1,19 @@
 // KvCacheService: the kvcache.v1.KvCache gRPC service on the callback API. A thin layer:
-// every RPC is decoded, handed to the sequence table (steps through the
-// StepBatchProcessor, which runs them on the engine threads), and its status recorded by
-// one wrapper (UnaryCall). StepStream runs one reactor per worker rank, WatchKvEvents one
-// per subscriber (server/kv_events_reactor.h). Nothing here blocks and no engine work
-// runs on a gRPC thread.
+// every RPC is decoded and authenticated on the gRPC thread, and its table work posted to
+// an engine thread (StepExecutor), which finishes the call: Open, Close and Inspect on
+// their sequence's thread, so that they run in order with its steps (an Inspect or Close
+// sent after a step is answered after that step, waiting for its slot there and not on a
+// gRPC thread); ListSequences and the WatchKvEvents subscription on the tenant's thread.
+// Steps go through the StepBatchProcessor, which posts them the same way. Only work that
+// never waits for the engine (DescribeKvPools, score regions) runs on the gRPC thread.
+// Nothing here blocks. A full engine queue refuses the call with RESOURCE_EXHAUSTED naming
+// it; a stopping engine with UNAVAILABLE.
+//
+// Accounting: every RPC, streams included, is counted through one RpcAccount
+// (server/step_batch_processor.h): unary calls by the UnaryCall wrapper here, step
+// batches by the processor, stream refusals and bad messages by their reactor.
+// StepStream runs one reactor per worker rank, WatchKvEvents one per subscriber
+// (server/kv_events_reactor.h).
 //
 // The RPCs whose requests carry strings (sequence ids, region names) take their request
 // as bytes and parse it here (ParseRequest): a message gRPC fails to parse (a string that
@@ -25,13 +35,13 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "cache_manager/mutex.h"
-#include "cache_manager/sequence_table.h"
+#include "cache_manager/base/mutex.h"
+#include "cache_manager/table/sequence_table.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/metrics.h"
-#include "server/score_regions.h"
+#include "cache_manager/kv/score_regions.h"
 #include "server/server_options.h"
 #include "server/step_batch_processor.h"
 
@@ -129,10 +139,16 @@ class KvCacheService final : public internal::KvCacheServiceBase {
  private:
   // The caller's tenant: "" without tokens; UNAUTHENTICATED without a known token.
   absl::StatusOr<std::string> Authenticate(const grpc::CallbackServerContext* context) const;
+  // WatchKvEvents' subscription for `tenant`, its snapshot taken (on an engine thread);
+  // UNAVAILABLE once draining.
+  absl::StatusOr<std::unique_ptr<KvEventSubscription>> Subscribe(
+      const ::kvcache::v1::WatchKvEventsRequest& request, const std::string& tenant)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const ServerOptions options_;
   SequenceTable* const table_;
   const KvPools* const pools_;
+  StepExecutor* const executor_;
   ScoreRegions* const regions_;
   ServerMetrics* const metrics_;
   const BearerTokens* const tokens_;

@@ -38,7 +38,7 @@ void PendingBatch::ReleaseReply() {
 }
 
 void PendingBatch::Fail(int64_t index, const absl::Status& status) {
-  processor_->metrics_->Error(rpc_, status.code());
+  account_.Failed(status.code());
   ::kvcache::v1::Decision& d = *reply_.mutable_decisions(static_cast<int>(index));
   d.set_code(static_cast<int32_t>(status.code()));
   d.set_message(EscapeText(status.message()));
@@ -48,7 +48,7 @@ void PendingBatch::Fail(int64_t index, const absl::Status& status) {
 void PendingBatch::Release() {
   // acq_rel: the thread that completes the batch sees every other thread's Decision.
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  processor_->metrics_->BatchDone(rpc_, reply_.decisions_size(),
+  processor_->metrics_->BatchDone(account_.rpc(), reply_.decisions_size(),
                                   absl::ToDoubleSeconds(absl::Now() - start_));
   // Taken even past the limit: the steps happened. What comes next is refused instead.
   charged_reply_bytes_ = reply_bytes_.exchange(0, std::memory_order_relaxed);
@@ -65,7 +65,7 @@ StepBatchProcessor::StepBatchProcessor(SequenceTable* table, StepExecutor* execu
       aligned_(static_cast<size_t>(executor->threads())) {}
 
 void StepBatchProcessor::Process(const ::kvcache::v1::StepBatch& request,
-                                 absl::string_view tenant, Rpc rpc, PendingBatch* batch,
+                                 absl::string_view tenant, RpcAccount account, PendingBatch* batch,
                                  BatchCompletion* completion) {
   PendingBatch& b = *batch;
   if (b.processor_ != nullptr) b.ReleaseReply();
@@ -73,9 +73,9 @@ void StepBatchProcessor::Process(const ::kvcache::v1::StepBatch& request,
   b.completion_ = completion;
   b.request_ = &request;
   b.tenant_.assign(tenant.data(), tenant.size());
-  b.rpc_ = rpc;
+  b.account_ = account;
   b.start_ = absl::Now();
-  metrics_->Request(rpc, static_cast<int64_t>(request.ByteSizeLong()));
+  account.Received(static_cast<int64_t>(request.ByteSizeLong()));
 
   const int n = request.reports_size();
   const int32_t threads = executor_->threads();

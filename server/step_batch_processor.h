@@ -17,17 +17,23 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "cache_manager/sequence_table.h"
-#include "cache_manager/step_executor.h"
+#include "cache_manager/table/sequence_table.h"
+#include "cache_manager/table/step_executor.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"
-#include "server/score_regions.h"
+#include "server/rpc_account.h"
+#include "cache_manager/kv/score_regions.h"
 
 namespace kvcm::server {
 
 class PendingBatch;
 
+// The one place an RPC's calls are counted: kvcache_requests_total and
+// kvcache_received_bytes_total per request (a unary call, a watch, or one StepBatch of a
+// stream), kvcache_errors_total by code per failure (a call's status, a refused stream, a
+// stream message that does not parse, or one sequence's failed Decision in a step batch).
 // Told when a batch is complete, on the thread that decided its last report (possibly
 // inside Process). Must not block.
 class BatchCompletion {
@@ -71,7 +77,7 @@ class PendingBatch final : public DecisionSink {
   BatchCompletion* completion_ = nullptr;
   const ::kvcache::v1::StepBatch* request_ = nullptr;
   std::string tenant_;
-  Rpc rpc_ = Rpc::kStep;
+  RpcAccount account_{Rpc::kStep, nullptr};  // set by Process
   absl::Time start_;
   std::atomic<int64_t> remaining_{0};
   ::kvcache::v1::DecisionBatch reply_;
@@ -92,10 +98,16 @@ class StepBatchProcessor {
   StepBatchProcessor(SequenceTable* table, StepExecutor* executor, const ScoreRegions* regions,
                      ServerMetrics* metrics);
 
-  // Starts `batch` on `request` for `tenant`. Returns at once; `completion` is told when
-  // every report is decided.
+  // Starts `batch` on `request` for `tenant`, counting the batch as one request of
+  // `account` and each failed report as one of its errors. Returns at once; `completion`
+  // is told when every report is decided.
+  void Process(const ::kvcache::v1::StepBatch& request, absl::string_view tenant,
+               RpcAccount account, PendingBatch* batch, BatchCompletion* completion);
+  // The same, counted in this processor's metrics for `rpc` (benchmarks, the fuzzer).
   void Process(const ::kvcache::v1::StepBatch& request, absl::string_view tenant, Rpc rpc,
-               PendingBatch* batch, BatchCompletion* completion);
+               PendingBatch* batch, BatchCompletion* completion) {
+    Process(request, tenant, RpcAccount(rpc, metrics_), batch, completion);
+  }
 
  private:
   friend class PendingBatch;

@@ -15,6 +15,7 @@ StepStreamReactor::StepStreamReactor(KvCacheService* service, StepBatchProcessor
     : service_(service),
       processor_(processor),
       metrics_(metrics),
+      account_(Rpc::kStepStream, metrics),
       max_inflight_(max_inflight),
       tenant_(std::move(tenant)),
       idle_timeout_(idle_timeout) {
@@ -24,6 +25,7 @@ StepStreamReactor::StepStreamReactor(KvCacheService* service, StepBatchProcessor
 
 void StepStreamReactor::Start(const grpc::Status& refusal) {
   if (!refusal.ok()) {
+    account_.Failed(static_cast<absl::StatusCode>(refusal.error_code()));
     {
       MutexLock lock(&mu_);
       finished_ = true;
@@ -146,7 +148,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
             grpc::StatusCode::INVALID_ARGUMENT,
             absl::StrCat("message ", read_seq_ + 1, " of this stream: ", parsed.message(),
                          "; the stream ends after the replies to the batches before it"));
-        metrics_->Error(Rpc::kStepStream, parsed.code());
+        account_.Failed(parsed.code());
       }
       finish = TakeFinishLocked();
     } else {
@@ -161,7 +163,7 @@ void StepStreamReactor::OnReadDone(bool ok) {
     return;
   }
   // BatchDone may run inside (single-rank batches decided at once) or on an engine thread.
-  processor_->Process(slot->request, tenant_, Rpc::kStepStream, &slot->batch, this);
+  processor_->Process(slot->request, tenant_, account_, &slot->batch, this);
   grpc::ByteBuffer* next = nullptr;
   {
     MutexLock lock(&mu_);

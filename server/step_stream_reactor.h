@@ -30,7 +30,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
 #include "grpcpp/alarm.h"
-#include "cache_manager/mutex.h"
+#include "cache_manager/base/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"
@@ -47,7 +47,8 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
                     ServerMetrics* metrics, int32_t max_inflight, std::string tenant,
                     absl::Duration idle_timeout = absl::ZeroDuration());  // 0: never
 
-  // Starts reading, or ends the call at once with `refusal` when it is not OK.
+  // Starts reading, or ends the call at once with `refusal` when it is not OK (counted as
+  // one of the stream's errors).
   void Start(const grpc::Status& refusal);
 
   void OnReadDone(bool ok) override;
@@ -77,8 +78,6 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
   bool TakeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // When the call should end now, marks it finished and returns the status to finish with.
   std::optional<grpc::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After OnDone: deletes the reactor once no batch is in the engine.
-  void MaybeDeleteLocked(bool* delete_now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether nothing is left to keep the reactor alive after OnDone.
   bool CanDeleteLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return done_ && in_engine_ == 0 && !idle_alarm_set_;
@@ -90,6 +89,7 @@ class StepStreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer,
   KvCacheService* const service_;
   StepBatchProcessor* const processor_;
   ServerMetrics* const metrics_;
+  const RpcAccount account_;  // StepStream's: every batch, refusal and bad message
   const int32_t max_inflight_;
   const std::string tenant_;
   const absl::Duration idle_timeout_;
