@@ -10,60 +10,32 @@ namespace kvcm {
 
 using kernels::CopyKind;
 
-// The arrays of a device backend. Everything in the backend's memory is [capacity]
-// unless stated; the staging buffers are host memory the backend copies to fastest.
-struct MomentumState::DeviceArrays {
-  const kernels::KernelBackend* backend = nullptr;
-  int device = 0;
-  kernels::StreamHandle stream = nullptr;
-  int64_t capacity = 0;
-
-  float* momentum = nullptr;
-  float* scratch = nullptr;          // a scoring step's output until it is committed
-  int64_t* positions = nullptr;
-  int64_t* selected = nullptr;       // indices a step evicts
-  int64_t* gathered = nullptr;       // their positions
-  uint64_t* select_keys = nullptr;   // SelectLowest's scratch (the CPU kernels use it)
-  int64_t* invalid = nullptr;        // [1]
-  double* mean = nullptr;            // [1]
-  void* scores = nullptr;            // host scores uploaded for a step
-  size_t score_bytes = 0;
-
-  int64_t* staged_indices = nullptr;    // [capacity] host
-  int64_t* staged_positions = nullptr;  // [capacity] host
-  int64_t* staged_invalid = nullptr;    // [1] host
-  double* staged_mean = nullptr;        // [1] host
-
-  // FirstUnprotectedSinkIndex without a download per step: the count of cached positions
-  // below the threshold it was last asked for, kept up to date by appends and evictions.
-  int64_t sink_threshold = -1;  // -1: not asked yet
-  int64_t sink_count = 0;
-  bool last_append_below_sinks = false;
-
-  // Host copies for positions() and momentum().
-  std::vector<int64_t> mirror_positions;
-  std::vector<float> mirror_momentum;
-  bool mirror_valid = false;
-
-  ~DeviceArrays() {
-    if (backend == nullptr) return;
-    const kernels::BackendMemory& mem = backend->mem;
-    (void)mem.set_device(device);
-    (void)mem.synchronize(stream, "releasing a sequence");
-    for (void* p : {static_cast<void*>(momentum), static_cast<void*>(scratch),
-                    static_cast<void*>(positions), static_cast<void*>(selected),
-                    static_cast<void*>(gathered), static_cast<void*>(select_keys),
-                    static_cast<void*>(invalid), static_cast<void*>(mean), scores}) {
-      mem.release(p);
-    }
-    for (void* p : {static_cast<void*>(staged_indices), static_cast<void*>(staged_positions),
-                    static_cast<void*>(staged_invalid), static_cast<void*>(staged_mean)}) {
-      mem.release_staging(p);
-    }
-  }
-};
-
 namespace {
+
+// Whether `backend` keeps its arrays in host memory (the CPU backend). Every step runs the
+// same code on every backend; this is the one rule for what host memory lets the state
+// skip, each a copy or an array a device needs and the host does not:
+//   - host scores and host indices are already in the backend's memory: read in place,
+//     never uploaded (an extra copy of the scores per step would be pure cost);
+//   - results the kernels write (the selected indices, the invalid count, the mean) are
+//     read where they were written: no staging arrays and no copies into them; the
+//     evicted positions are gathered straight into the caller's vector (no `gathered`);
+//   - the selection keys are the host index scratch (index_scratch()), one array, not two;
+//   - positions() and momentum() view the arrays instead of a downloaded mirror.
+// BytesPerToken counts the arrays this leaves, and Reserve allocates exactly those.
+bool InHostMemory(const kernels::KernelBackend& backend) {
+  return backend.memory == kernels::MemorySpace::kHost;
+}
+
+// Bytes per token of capacity. Every backend: momentum (4), the update scratch (4),
+// positions (8), the selected indices (8) and the selection keys (8): 32. A device adds
+// its gathered positions (8), the two host staging arrays (16) and a host index scratch
+// apart from the keys (8): 64.
+int64_t BytesPerToken(const kernels::KernelBackend& backend) {
+  constexpr int64_t kEveryBackend = 2 * sizeof(float) + 2 * sizeof(int64_t) + sizeof(uint64_t);
+  constexpr int64_t kDeviceOnly = 3 * sizeof(int64_t) + sizeof(uint64_t);
+  return InHostMemory(backend) ? kEveryBackend : kEveryBackend + kDeviceOnly;
+}
 
 template <typename T>
 absl::Status Allocate(const kernels::BackendMemory& mem, int64_t count, T** ptr) {
@@ -88,48 +60,6 @@ size_t ScoreSpanBytes(const kernels::ScoreMatrix& scores) {
          kernels::ScoreDtypeSize(scores.dtype);
 }
 
-// Bytes per token of capacity. Host: positions (8), momentum (4), the update scratch (4),
-// the selection keys (8) and the selected indices (8). Device: momentum, scratch,
-// positions, selected, gathered, selection keys (4+4+8+8+8+8), the two host staging
-// arrays (16) and the host index scratch (8).
-int64_t BytesPerToken(const kernels::KernelBackend& backend) {
-  return backend.memory == kernels::MemorySpace::kHost ? 32 : 64;
-}
-
-}  // namespace
-
-int64_t MomentumState::BytesFor(int64_t tokens, const kernels::KernelBackend& backend) {
-  const int64_t per_token = BytesPerToken(backend);
-  if (tokens <= 0) return 0;
-  if (tokens > std::numeric_limits<int64_t>::max() / per_token) {
-    return std::numeric_limits<int64_t>::max();
-  }
-  return tokens * per_token;
-}
-
-int64_t MomentumState::capacity() const {
-  return device_ != nullptr ? device_->capacity : capacity_;
-}
-
-int64_t MomentumState::reserved_bytes() const { return BytesFor(capacity(), *backend_); }
-
-int64_t MomentumState::GrownCapacity() const {
-  // Saturating: a budget of INT64_MAX tokens is legal (the cache then never evicts), and
-  // budget + 1 wrapped (UBSan, found by open_sequence_fuzzer).
-  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-  const int64_t most = std::max(budget_, size());
-  const int64_t limit = most < kMax ? most + 1 : kMax;
-  const int64_t doubled = capacity() < kMax / 2 ? 2 * capacity() : kMax;
-  return std::max(size() + 1, std::min(doubled, limit));
-}
-
-int64_t MomentumState::BytesToAppend() const {
-  if (size() + 1 <= capacity()) return 0;
-  return BytesFor(GrownCapacity(), *backend_) - reserved_bytes();
-}
-
-namespace {
-
 // The prefill cache {0 .. prefill_len-1} and its starting momentum.
 struct PrefillCache {
   std::vector<int64_t> positions;
@@ -149,54 +79,92 @@ PrefillCache MakePrefillCache(int64_t prefill_len, bool momentum_is_position) {
 
 }  // namespace
 
+void MomentumState::Arrays::Release(const kernels::BackendMemory& mem) {
+  for (void* p : {static_cast<void*>(momentum), static_cast<void*>(scratch),
+                  static_cast<void*>(positions), static_cast<void*>(selected),
+                  static_cast<void*>(select_keys), static_cast<void*>(gathered)}) {
+    mem.release(p);
+  }
+  mem.release_staging(staged_indices);
+  mem.release_staging(staged_positions);
+  *this = Arrays{};
+}
+
+int64_t MomentumState::BytesFor(int64_t tokens, const kernels::KernelBackend& backend) {
+  const int64_t per_token = BytesPerToken(backend);
+  if (tokens <= 0) return 0;
+  if (tokens > std::numeric_limits<int64_t>::max() / per_token) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return tokens * per_token;
+}
+
+int64_t MomentumState::reserved_bytes() const { return BytesFor(capacity_, *backend_); }
+
+int64_t MomentumState::GrownCapacity() const {
+  // Saturating: a budget of INT64_MAX tokens is legal (the cache then never evicts), and
+  // budget + 1 wrapped (UBSan, found by open_sequence_fuzzer).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const int64_t most = std::max(budget_, size_);
+  const int64_t limit = most < kMax ? most + 1 : kMax;
+  const int64_t doubled = capacity_ < kMax / 2 ? 2 * capacity_ : kMax;
+  return std::max(size_ + 1, std::min(doubled, limit));
+}
+
+int64_t MomentumState::BytesToAppend() const {
+  if (size_ + 1 <= capacity_) return 0;
+  return BytesFor(GrownCapacity(), *backend_) - reserved_bytes();
+}
+
 MomentumState::MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
                              const kernels::KernelBackend& backend, int device)
-    : backend_(&backend), budget_(budget) {
+    : backend_(&backend), budget_(budget), device_(InHostMemory(backend) ? 0 : device) {
   const PrefillCache cache = MakePrefillCache(prefill_len, momentum_is_position);
-  Init(cache.positions, cache.momentum, device);
+  Init(cache.positions, cache.momentum);
 }
 
 MomentumState::MomentumState(std::span<const int64_t> positions, std::span<const float> momentum,
                              int64_t budget, const kernels::KernelBackend& backend, int device)
-    : backend_(&backend), budget_(budget) {
+    : backend_(&backend), budget_(budget), device_(InHostMemory(backend) ? 0 : device) {
   KVCM_CHECK(positions.size() == momentum.size());
-  Init(positions, momentum, device);
+  Init(positions, momentum);
 }
 
-void MomentumState::Init(std::span<const int64_t> positions, std::span<const float> momentum,
-                         int device) {
-  const auto tokens = static_cast<int64_t>(positions.size());
-  const int64_t capacity = tokens + 1;
-  if (backend_->memory == kernels::MemorySpace::kHost) {
-    Reserve(capacity);
-    positions_.assign(positions.begin(), positions.end());
-    momentum_.assign(momentum.begin(), momentum.end());
-    return;
-  }
-  device_ = std::make_unique<DeviceArrays>();
-  DeviceArrays& d = *device_;
-  d.backend = backend_;
-  d.device = device;
+void MomentumState::Init(std::span<const int64_t> positions, std::span<const float> momentum) {
+  newest_position_ = positions.empty() ? std::numeric_limits<int64_t>::min() : positions.back();
+  previous_newest_position_ = newest_position_;
   const kernels::BackendMemory& mem = backend_->mem;
-  if (!Check(mem.set_device(device)) || !Check(mem.device_stream(device, &d.stream)) ||
-      !Check(Allocate(mem, 1, &d.invalid)) || !Check(Allocate(mem, 1, &d.mean)) ||
-      !Check(AllocateStaging(mem, 1, &d.staged_invalid)) ||
-      !Check(AllocateStaging(mem, 1, &d.staged_mean))) {
+  if (!Check(mem.set_device(device_)) || !Check(mem.device_stream(device_, &stream_)) ||
+      !Check(Allocate(mem, 1, &invalid_)) || !Check(Allocate(mem, 1, &mean_))) {
     return;
   }
-  ReserveDevice(capacity);
+  if (!InHostMemory(*backend_) && (!Check(AllocateStaging(mem, 1, &staged_invalid_)) ||
+                                   !Check(AllocateStaging(mem, 1, &staged_mean_)))) {
+    return;
+  }
+  Reserve(static_cast<int64_t>(positions.size()) + 1);
   if (!status_.ok()) return;
-  if (!Check(mem.copy(d.positions, positions.data(), positions.size() * sizeof(int64_t),
-                      CopyKind::kHostToBackend, d.stream)) ||
-      !Check(mem.copy(d.momentum, momentum.data(), momentum.size() * sizeof(float),
-                      CopyKind::kHostToBackend, d.stream)) ||
-      !Check(mem.synchronize(d.stream, "uploading the cache"))) {
+  if (!Check(mem.copy(arrays_.positions, positions.data(), positions.size() * sizeof(int64_t),
+                      CopyKind::kHostToBackend, stream_)) ||
+      !Check(mem.copy(arrays_.momentum, momentum.data(), momentum.size() * sizeof(float),
+                      CopyKind::kHostToBackend, stream_)) ||
+      !Check(mem.synchronize(stream_, "uploading the cache"))) {
     return;
   }
-  device_size_ = tokens;
+  size_ = static_cast<int64_t>(positions.size());
 }
 
-MomentumState::~MomentumState() = default;
+MomentumState::~MomentumState() {
+  const kernels::BackendMemory& mem = backend_->mem;
+  (void)mem.set_device(device_);
+  (void)mem.synchronize(stream_, "releasing a sequence");
+  arrays_.Release(mem);
+  for (void* p : {static_cast<void*>(invalid_), static_cast<void*>(mean_), scores_}) {
+    mem.release(p);
+  }
+  mem.release_staging(staged_invalid_);
+  mem.release_staging(staged_mean_);
+}
 
 bool MomentumState::Check(const absl::Status& status) const {
   if (!status.ok() && status_.ok()) status_ = status;
@@ -204,208 +172,162 @@ bool MomentumState::Check(const absl::Status& status) const {
 }
 
 void MomentumState::Reserve(int64_t capacity) {
-  capacity_ = capacity;
-  const auto n = static_cast<size_t>(capacity);
-  positions_.reserve(n);
-  momentum_.reserve(n);
-  update_scratch_.resize(n);
-  select_scratch_.resize(n);
-  selected_scratch_.resize(n);
-}
-
-void MomentumState::ReserveDevice(int64_t capacity) {
-  DeviceArrays& d = *device_;
   const kernels::BackendMemory& mem = backend_->mem;
-  DeviceArrays next;  // takes the old arrays on success, the new ones on failure
-  next.backend = backend_;
-  next.device = d.device;
-  next.stream = d.stream;
+  const bool device_arrays = !InHostMemory(*backend_);
+  Arrays next;  // takes the old arrays on success, the new ones on failure
   absl::Status status = Allocate(mem, capacity, &next.momentum);
   if (status.ok()) status = Allocate(mem, capacity, &next.scratch);
   if (status.ok()) status = Allocate(mem, capacity, &next.positions);
   if (status.ok()) status = Allocate(mem, capacity, &next.selected);
-  if (status.ok()) status = Allocate(mem, capacity, &next.gathered);
-  if (status.ok()) status = Allocate(mem, capacity, &next.select_keys);
-  if (status.ok()) status = AllocateStaging(mem, capacity, &next.staged_indices);
-  if (status.ok()) status = AllocateStaging(mem, capacity, &next.staged_positions);
-  const size_t live = static_cast<size_t>(device_size_);
+  if (device_arrays) {
+    if (status.ok()) status = Allocate(mem, capacity, &next.select_keys);
+    if (status.ok()) status = Allocate(mem, capacity, &next.gathered);
+    if (status.ok()) status = AllocateStaging(mem, capacity, &next.staged_indices);
+    if (status.ok()) status = AllocateStaging(mem, capacity, &next.staged_positions);
+  }
+  const size_t live = static_cast<size_t>(size_);
   if (status.ok() && live > 0) {
-    status = mem.copy(next.momentum, d.momentum, live * sizeof(float), CopyKind::kWithinBackend,
-                      d.stream);
+    status = mem.copy(next.momentum, arrays_.momentum, live * sizeof(float),
+                      CopyKind::kWithinBackend, stream_);
     if (status.ok()) {
-      status = mem.copy(next.positions, d.positions, live * sizeof(int64_t),
-                        CopyKind::kWithinBackend, d.stream);
+      status = mem.copy(next.positions, arrays_.positions, live * sizeof(int64_t),
+                        CopyKind::kWithinBackend, stream_);
     }
   }
-  if (status.ok()) status = mem.synchronize(d.stream, "resizing a sequence's arrays");
-  if (!Check(status)) return;  // `next` releases the new arrays
-  std::swap(d.momentum, next.momentum);
-  std::swap(d.scratch, next.scratch);
-  std::swap(d.positions, next.positions);
-  std::swap(d.selected, next.selected);
-  std::swap(d.gathered, next.gathered);
-  std::swap(d.select_keys, next.select_keys);
-  std::swap(d.staged_indices, next.staged_indices);
-  std::swap(d.staged_positions, next.staged_positions);
-  d.capacity = capacity;
-  select_scratch_.resize(static_cast<size_t>(capacity));
+  if (status.ok()) status = mem.synchronize(stream_, "resizing a sequence's arrays");
+  if (!Check(status)) {
+    next.Release(mem);
+    return;
+  }
+  std::swap(arrays_, next);
+  next.Release(mem);
+  const auto n = static_cast<size_t>(capacity);
+  if (index_scratch_.size() > n) index_scratch_ = std::vector<uint64_t>();  // shrinking
+  index_scratch_.resize(n);
+  capacity_ = capacity;
 }
 
 void MomentumState::DownloadMirrors() const {
-  DeviceArrays& d = *device_;
-  if (d.mirror_valid || !status_.ok()) return;
+  if (mirror_valid_ || !status_.ok()) return;
   const kernels::BackendMemory& mem = backend_->mem;
-  d.mirror_positions.resize(static_cast<size_t>(device_size_));
-  d.mirror_momentum.resize(static_cast<size_t>(device_size_));
-  if (!Check(mem.set_device(d.device)) ||
-      !Check(mem.copy(d.mirror_positions.data(), d.positions,
-                      d.mirror_positions.size() * sizeof(int64_t), CopyKind::kBackendToHost,
-                      d.stream)) ||
-      !Check(mem.copy(d.mirror_momentum.data(), d.momentum,
-                      d.mirror_momentum.size() * sizeof(float), CopyKind::kBackendToHost,
-                      d.stream)) ||
-      !Check(mem.synchronize(d.stream, "reading a sequence's cache"))) {
-    d.mirror_positions.clear();
-    d.mirror_momentum.clear();
+  mirror_positions_.resize(static_cast<size_t>(size_));
+  mirror_momentum_.resize(static_cast<size_t>(size_));
+  if (!Check(mem.set_device(device_)) ||
+      !Check(mem.copy(mirror_positions_.data(), arrays_.positions,
+                      mirror_positions_.size() * sizeof(int64_t), CopyKind::kBackendToHost,
+                      stream_)) ||
+      !Check(mem.copy(mirror_momentum_.data(), arrays_.momentum,
+                      mirror_momentum_.size() * sizeof(float), CopyKind::kBackendToHost,
+                      stream_)) ||
+      !Check(mem.synchronize(stream_, "reading a sequence's cache"))) {
+    mirror_positions_.clear();
+    mirror_momentum_.clear();
     return;
   }
-  d.mirror_valid = true;
+  mirror_valid_ = true;
 }
 
 std::span<const int64_t> MomentumState::positions() const {
-  if (device_ == nullptr) return positions_;
+  if (InHostMemory(*backend_)) return {arrays_.positions, static_cast<size_t>(size_)};
   DownloadMirrors();
-  return device_->mirror_positions;
+  return mirror_positions_;
 }
 
 std::span<const float> MomentumState::momentum() const {
-  if (device_ == nullptr) return momentum_;
+  if (InHostMemory(*backend_)) return {arrays_.momentum, static_cast<size_t>(size_)};
   DownloadMirrors();
-  return device_->mirror_momentum;
+  return mirror_momentum_;
 }
 
 void MomentumState::ShrinkTo(int64_t budget) {
-  const int64_t wanted = std::max(size(), budget) + 1;
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    if (d.capacity <= wanted || !status_.ok()) return;
-    if (!Check(backend_->mem.set_device(d.device))) return;
-    ReserveDevice(wanted);
-    backend_->mem.release(d.scores);  // sized for the first step's scores
-    d.scores = nullptr;
-    d.score_bytes = 0;
-    select_scratch_ = std::vector<uint64_t>(static_cast<size_t>(wanted));
+  const int64_t wanted = std::max(size_, budget) + 1;
+  if (capacity_ <= wanted || !status_.ok() || !Check(backend_->mem.set_device(device_))) {
     return;
   }
-  if (capacity_ <= wanted) return;
-  positions_.shrink_to_fit();
-  momentum_.shrink_to_fit();
-  update_scratch_ = std::vector<float>();
-  select_scratch_ = std::vector<uint64_t>();
-  selected_scratch_ = std::vector<int64_t>();
   Reserve(wanted);
+  backend_->mem.release(scores_);  // sized for the first step's scores
+  scores_ = nullptr;
+  score_bytes_ = 0;
 }
 
 void MomentumState::Append(int64_t position, float momentum) {
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    if (!status_.ok() || !Check(backend_->mem.set_device(d.device))) return;
-    if (device_size_ + 1 > d.capacity) ReserveDevice(GrownCapacity());
-    if (!status_.ok()) return;
-    backend_->append_entry(d.momentum, d.positions, device_size_, position, momentum, nullptr,
-                           d.stream);
-    d.last_append_below_sinks = d.sink_threshold >= 0 && position < d.sink_threshold;
-    if (d.last_append_below_sinks) ++d.sink_count;
-    ++device_size_;
-    d.mirror_valid = false;
-    return;
-  }
-  KVCM_CHECK(positions_.empty() || position > positions_.back());
-  if (size() + 1 > capacity_) Reserve(GrownCapacity());
-  positions_.push_back(position);
-  momentum_.push_back(momentum);
+  AppendEntry(position, momentum, /*at_mean=*/false);
 }
 
 void MomentumState::AppendAtMean(int64_t position) {
-  if (device_ == nullptr) {
-    Append(position, static_cast<float>(MeanMomentum()));
-    return;
-  }
-  DeviceArrays& d = *device_;
-  if (!status_.ok() || !Check(backend_->mem.set_device(d.device))) return;
-  if (device_size_ + 1 > d.capacity) ReserveDevice(GrownCapacity());
+  AppendEntry(position, 0.0f, /*at_mean=*/true);
+}
+
+void MomentumState::AppendEntry(int64_t position, float value, bool at_mean) {
+  KVCM_CHECK(position > newest_position_);
+  if (!status_.ok() || !Check(backend_->mem.set_device(device_))) return;
+  if (size_ + 1 > capacity_) Reserve(GrownCapacity());
   if (!status_.ok()) return;
-  // The mean stays on the device: the new entry reads it in stream order.
-  backend_->mean_momentum(d.momentum, device_size_, d.mean, d.stream);
-  backend_->append_entry(d.momentum, d.positions, device_size_, position, 0.0f, d.mean,
-                         d.stream);
-  d.last_append_below_sinks = d.sink_threshold >= 0 && position < d.sink_threshold;
-  if (d.last_append_below_sinks) ++d.sink_count;
-  ++device_size_;
-  d.mirror_valid = false;
+  // The mean stays in the backend's memory: the new entry reads it in stream order.
+  if (at_mean) backend_->mean_momentum(arrays_.momentum, size_, mean_, stream_);
+  backend_->append_entry(arrays_.momentum, arrays_.positions, size_, position, value,
+                         at_mean ? mean_ : nullptr, stream_);
+  last_append_below_sinks_ = sink_threshold_ >= 0 && position < sink_threshold_;
+  if (last_append_below_sinks_) ++sink_count_;
+  previous_newest_position_ = newest_position_;
+  newest_position_ = position;
+  ++size_;
+  mirror_valid_ = false;
 }
 
 void MomentumState::PopBack() {
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    --device_size_;
-    if (d.last_append_below_sinks) --d.sink_count;
-    d.last_append_below_sinks = false;
-    d.mirror_valid = false;
-    return;
+  --size_;
+  if (last_append_below_sinks_) --sink_count_;
+  last_append_below_sinks_ = false;
+  newest_position_ = previous_newest_position_;
+  mirror_valid_ = false;
+}
+
+template <typename T>
+const T* MomentumState::ToHost(const T* src, T* staging, int64_t count) const {
+  if (InHostMemory(*backend_)) return src;
+  if (!Check(backend_->mem.copy(staging, src, static_cast<size_t>(count) * sizeof(T),
+                                CopyKind::kBackendToHost, stream_))) {
+    return nullptr;
   }
-  positions_.pop_back();
-  momentum_.pop_back();
+  return staging;
+}
+
+const void* MomentumState::ScoresInBackend(const kernels::ScoreMatrix& scores,
+                                           ScoreSpace space) {
+  if (space == ScoreSpace::kBackend || InHostMemory(*backend_)) return scores.data;
+  const kernels::BackendMemory& mem = backend_->mem;
+  const size_t bytes = ScoreSpanBytes(scores);
+  if (bytes > score_bytes_) {
+    mem.release(scores_);
+    scores_ = nullptr;
+    score_bytes_ = 0;
+    if (!Check(mem.allocate(bytes, &scores_))) return nullptr;
+    score_bytes_ = bytes;
+  }
+  if (!Check(mem.copy(scores_, scores.data, bytes, CopyKind::kHostToBackend, stream_))) {
+    return nullptr;
+  }
+  return scores_;
 }
 
 int64_t MomentumState::ApplyScores(const kernels::ScoreMatrix& scores,
                                    const kernels::MomentumUpdateOptions& options,
                                    ScoreSpace space) {
-  KVCM_CHECK(scores.tokens == size());
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    const kernels::BackendMemory& mem = backend_->mem;
-    if (!status_.ok() || !Check(mem.set_device(d.device))) return 0;
-    kernels::ScoreMatrix on_device = scores;
-    if (space == ScoreSpace::kHost) {
-      const size_t bytes = ScoreSpanBytes(scores);
-      if (bytes > d.score_bytes) {
-        mem.release(d.scores);
-        d.scores = nullptr;
-        d.score_bytes = 0;
-        if (!Check(mem.allocate(bytes, &d.scores))) return 0;
-        d.score_bytes = bytes;
-      }
-      if (!Check(mem.copy(d.scores, scores.data, bytes, CopyKind::kHostToBackend, d.stream))) {
-        return 0;
-      }
-      on_device.data = d.scores;
-    }
-    // Out of place: the momentum is replaced only once every score proved valid.
-    backend_->update_momentum(d.momentum, d.scratch, device_size_, on_device, options,
-                              d.invalid, d.stream);
-    if (!Check(mem.copy(d.staged_invalid, d.invalid, sizeof(int64_t), CopyKind::kBackendToHost,
-                        d.stream)) ||
-        !Check(mem.synchronize(d.stream, "scoring step"))) {
-      return 0;
-    }
-    if (*d.staged_invalid != 0) return *d.staged_invalid;
-    std::swap(d.momentum, d.scratch);
-    d.mirror_valid = false;
-    return 0;
-  }
-  // A host backend's memory is host memory: kBackend scores are host scores.
-  int64_t invalid = 0;
-  backend_->update_momentum(momentum_.data(), update_scratch_.data(), size(), scores,
-                            options, &invalid, nullptr);
-  if (invalid != 0) return invalid;
-  // Commit: the scratch becomes the momentum, and the old momentum the next scratch. Both
-  // were reserved to capacity_, so the resizes neither allocate nor, in the steady state
-  // (size() == capacity_), touch any element.
-  const size_t n = momentum_.size();
-  momentum_.swap(update_scratch_);
-  momentum_.resize(n);
-  update_scratch_.resize(static_cast<size_t>(capacity_));
+  KVCM_CHECK(scores.tokens == size_);
+  const kernels::BackendMemory& mem = backend_->mem;
+  if (!status_.ok() || !Check(mem.set_device(device_))) return 0;
+  kernels::ScoreMatrix in_backend = scores;
+  in_backend.data = ScoresInBackend(scores, space);
+  if (!status_.ok()) return 0;
+  // Out of place: the momentum is replaced only once every score proved valid.
+  backend_->update_momentum(arrays_.momentum, arrays_.scratch, size_, in_backend, options,
+                            invalid_, stream_);
+  const int64_t* invalid = ToHost(invalid_, staged_invalid_, 1);
+  if (invalid == nullptr || !Check(mem.synchronize(stream_, "scoring step"))) return 0;
+  if (*invalid != 0) return *invalid;
+  std::swap(arrays_.momentum, arrays_.scratch);
+  mirror_valid_ = false;
   return 0;
 }
 
@@ -420,122 +342,98 @@ kernels::InvalidScore MomentumState::FindFirstInvalidScore(const kernels::ScoreM
 kernels::ScoreMatrix MomentumState::HostView(const kernels::ScoreMatrix& scores,
                                              ScoreSpace space,
                                              std::vector<std::byte>* buffer) const {
-  if (device_ == nullptr || space == ScoreSpace::kHost) return scores;
-  DeviceArrays& d = *device_;
+  if (space == ScoreSpace::kHost || InHostMemory(*backend_)) return scores;
   const kernels::BackendMemory& mem = backend_->mem;
-  if (!Check(mem.set_device(d.device))) return kernels::ScoreMatrix{};
-  absl::StatusOr<kernels::ScoreMatrix> on_host = kernels::DownloadScores(mem, d.stream, scores, buffer);
+  if (!Check(mem.set_device(device_))) return kernels::ScoreMatrix{};
+  absl::StatusOr<kernels::ScoreMatrix> on_host =
+      kernels::DownloadScores(mem, stream_, scores, buffer);
   if (!Check(on_host.status())) return kernels::ScoreMatrix{};
   return *on_host;
 }
 
-int MomentumState::device() const { return device_ != nullptr ? device_->device : 0; }
+int MomentumState::device() const { return device_; }
 
 double MomentumState::MeanMomentum() const {
-  double mean = 0.0;
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    const kernels::BackendMemory& mem = backend_->mem;
-    if (!status_.ok() || !Check(mem.set_device(d.device))) return 0.0;
-    backend_->mean_momentum(d.momentum, device_size_, d.mean, d.stream);
-    if (!Check(mem.copy(d.staged_mean, d.mean, sizeof(double), CopyKind::kBackendToHost,
-                        d.stream)) ||
-        !Check(mem.synchronize(d.stream, "mean momentum"))) {
-      return 0.0;
-    }
-    return *d.staged_mean;
-  }
-  backend_->mean_momentum(momentum_.data(), size(), &mean, nullptr);
-  return mean;
+  const kernels::BackendMemory& mem = backend_->mem;
+  if (!status_.ok() || !Check(mem.set_device(device_))) return 0.0;
+  backend_->mean_momentum(arrays_.momentum, size_, mean_, stream_);
+  const double* mean = ToHost(mean_, staged_mean_, 1);
+  if (mean == nullptr || !Check(mem.synchronize(stream_, "mean momentum"))) return 0.0;
+  return *mean;
 }
 
 int64_t MomentumState::FirstUnprotectedSinkIndex(int64_t protect_sinks) const {
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    if (protect_sinks <= 0) return 0;
-    if (d.sink_threshold != protect_sinks) {
-      DownloadMirrors();
-      if (!status_.ok()) return 0;
-      d.sink_threshold = protect_sinks;
-      d.sink_count = std::lower_bound(d.mirror_positions.begin(), d.mirror_positions.end(),
-                                      protect_sinks) -
-                     d.mirror_positions.begin();
-      d.last_append_below_sinks = false;
-    }
-    return d.sink_count;
+  if (protect_sinks <= 0) return 0;
+  if (sink_threshold_ != protect_sinks) {
+    const std::span<const int64_t> cached = positions();
+    if (!status_.ok()) return 0;
+    sink_threshold_ = protect_sinks;
+    sink_count_ = std::lower_bound(cached.begin(), cached.end(), protect_sinks) - cached.begin();
+    last_append_below_sinks_ = false;
   }
-  return std::lower_bound(positions_.begin(), positions_.end(), protect_sinks) -
-         positions_.begin();
+  return sink_count_;
 }
 
 void MomentumState::EvictLowest(int64_t begin, int64_t end, int64_t k,
                                 std::vector<int64_t>* evicted, std::vector<int64_t>* indices) {
   if (k <= 0) return;
   KVCM_CHECK(k <= end - begin);
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    if (!status_.ok() || !Check(backend_->mem.set_device(d.device))) return;
-    backend_->select_lowest(d.momentum, begin, end, k, d.selected, d.select_keys, d.stream);
-    EvictSelectedOnDevice(k, nullptr, evicted, indices);
-    return;
-  }
-  backend_->select_lowest(momentum_.data(), begin, end, k, selected_scratch_.data(),
-                          select_scratch_.data(), nullptr);
-  EvictIndices(std::span<const int64_t>(selected_scratch_.data(), static_cast<size_t>(k)),
-               evicted, indices);
-}
-
-void MomentumState::EvictSelectedOnDevice(int64_t k, const int64_t* selected_on_host,
-                                          std::vector<int64_t>* evicted,
-                                          std::vector<int64_t>* indices) {
-  DeviceArrays& d = *device_;
-  const kernels::BackendMemory& mem = backend_->mem;
-  const size_t bytes = static_cast<size_t>(k) * sizeof(int64_t);
-  backend_->gather_positions(d.positions, d.selected, k, d.gathered, d.stream);
-  if (!Check(mem.copy(d.staged_positions, d.gathered, bytes, CopyKind::kBackendToHost,
-                      d.stream))) {
-    return;
-  }
-  if (selected_on_host == nullptr &&
-      !Check(mem.copy(d.staged_indices, d.selected, bytes, CopyKind::kBackendToHost,
-                      d.stream))) {
-    return;
-  }
-  backend_->remove_entries(d.momentum, d.positions, device_size_, d.selected, k, d.stream);
-  if (!Check(mem.synchronize(d.stream, "eviction"))) return;
-  const int64_t* chosen = selected_on_host != nullptr ? selected_on_host : d.staged_indices;
-  evicted->insert(evicted->end(), d.staged_positions, d.staged_positions + k);
-  indices->insert(indices->end(), chosen, chosen + k);
-  if (d.sink_threshold >= 0) {
-    for (int64_t j = 0; j < k; ++j) d.sink_count -= d.staged_positions[j] < d.sink_threshold;
-  }
-  device_size_ -= k;
-  d.mirror_valid = false;
+  if (!status_.ok() || !Check(backend_->mem.set_device(device_))) return;
+  uint64_t* keys = InHostMemory(*backend_) ? index_scratch_.data() : arrays_.select_keys;
+  backend_->select_lowest(arrays_.momentum, begin, end, k, arrays_.selected, keys, stream_);
+  EvictSelected(arrays_.selected, k, nullptr, evicted, indices);
 }
 
 void MomentumState::EvictIndices(std::span<const int64_t> indices,
                                  std::vector<int64_t>* evicted,
                                  std::vector<int64_t>* evicted_indices) {
   if (indices.empty()) return;
-  if (device_ != nullptr) {
-    DeviceArrays& d = *device_;
-    const kernels::BackendMemory& mem = backend_->mem;
-    if (!status_.ok() || !Check(mem.set_device(d.device))) return;
-    if (!Check(mem.copy(d.selected, indices.data(), indices.size() * sizeof(int64_t),
-                        CopyKind::kHostToBackend, d.stream))) {
+  const kernels::BackendMemory& mem = backend_->mem;
+  if (!status_.ok() || !Check(mem.set_device(device_))) return;
+  const auto k = static_cast<int64_t>(indices.size());
+  // Host indices are already in a host backend's memory.
+  const int64_t* selected = indices.data();
+  if (!InHostMemory(*backend_)) {
+    if (!Check(mem.copy(arrays_.selected, indices.data(), indices.size() * sizeof(int64_t),
+                        CopyKind::kHostToBackend, stream_))) {
       return;
     }
-    EvictSelectedOnDevice(static_cast<int64_t>(indices.size()), indices.data(), evicted,
-                          evicted_indices);
+    selected = arrays_.selected;
+  }
+  EvictSelected(selected, k, indices.data(), evicted, evicted_indices);
+}
+
+void MomentumState::EvictSelected(const int64_t* selected, int64_t k,
+                                  const int64_t* selected_on_host,
+                                  std::vector<int64_t>* evicted, std::vector<int64_t>* indices) {
+  const kernels::BackendMemory& mem = backend_->mem;
+  const size_t first = evicted->size();
+  evicted->resize(first + static_cast<size_t>(k));
+  int64_t* const out = evicted->data() + first;
+  // In host memory the positions are gathered straight into `evicted`.
+  int64_t* const gathered = InHostMemory(*backend_) ? out : arrays_.gathered;
+  backend_->gather_positions(arrays_.positions, selected, k, gathered, stream_);
+  const int64_t* positions = ToHost(gathered, arrays_.staged_positions, k);
+  const int64_t* chosen = selected_on_host != nullptr
+                              ? selected_on_host
+                              : ToHost(selected, arrays_.staged_indices, k);
+  if (positions != nullptr && chosen != nullptr) {
+    backend_->remove_entries(arrays_.momentum, arrays_.positions, size_, selected, k, stream_);
+  }
+  if (positions == nullptr || chosen == nullptr ||
+      !Check(mem.synchronize(stream_, "eviction"))) {
+    evicted->resize(first);
     return;
   }
-  for (int64_t index : indices) evicted->push_back(positions_[static_cast<size_t>(index)]);
-  evicted_indices->insert(evicted_indices->end(), indices.begin(), indices.end());
-  backend_->remove_entries(momentum_.data(), positions_.data(), size(), indices.data(),
-                           static_cast<int64_t>(indices.size()), nullptr);
-  const size_t remaining = positions_.size() - indices.size();
-  positions_.resize(remaining);
-  momentum_.resize(remaining);
+  if (positions != out) std::copy(positions, positions + k, out);  // a device's staging
+  indices->insert(indices->end(), chosen, chosen + k);
+  // The evicted positions ascend: only the last can be the newest.
+  if (out[k - 1] == newest_position_) newest_position_ = std::numeric_limits<int64_t>::min();
+  if (sink_threshold_ >= 0) {
+    for (int64_t j = 0; j < k; ++j) sink_count_ -= out[j] < sink_threshold_;
+  }
+  size_ -= k;
+  mirror_valid_ = false;
 }
 
 }  // namespace kvcm

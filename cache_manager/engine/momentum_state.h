@@ -2,29 +2,31 @@
 // ascending order and one float32 momentum per position, plus the scratch the step needs
 // so that steady-state steps allocate nothing.
 //
-// The arithmetic runs on the kernel backend the state was made with (kernels/backend.h;
-// the CPU reference by default), and the arrays live in that backend's memory:
-//   - host backends: plain vectors; positions() and momentum() view them directly;
-//   - device backends (CUDA, or the CPU's emulated device in tests): momentum, positions
-//     and the step's scratch stay in device memory. A scoring step uploads the scores
-//     (or reads them in place, ScoreSpace::kBackend), updates into a second buffer that
-//     becomes the momentum only when every score was valid (double buffer: a rejected
-//     step leaves the device state untouched), and only the step's evicted indices and
-//     positions, and the invalid-score count, cross back to the host. positions() and
-//     momentum() download a host copy on demand (tools, inspection, error messages).
-//     The work runs on the backend's stream of `device`; each method that returns a
-//     result waits for it.
+// One implementation for every backend: the arrays live in the memory of the kernel
+// backend the state was made with (kernels/backend.h; the CPU reference by default, whose
+// memory is host memory), are allocated with its `mem` table, and every step runs its
+// kernels on its stream of `device`. A scoring step reads the scores in the backend's
+// memory (uploading host scores to a device first; ScoreSpace), updates into a second
+// buffer that becomes the momentum only when every score was valid (double buffer: a
+// rejected step leaves the state untouched), and only the step's evicted indices and
+// positions, and the invalid-score count, cross back to the host. Each method that
+// returns a result waits for the stream.
 //
-// Every mutating method either completes or leaves the state as it was. A failure of
-// the device (device backends only) is sticky: status() reports it (INTERNAL, with the
-// runtime's message) and the state must be discarded. Not thread-safe: a Sequence owns
-// one and serializes access.
+// Where the backend's memory is host memory (MemorySpace::kHost) the state skips the work
+// and memory that only a device needs (momentum_state.cc, InHostMemory): host scores are
+// read in place, results are read where the kernels wrote them (no staging copies), and
+// positions() and momentum() view the arrays themselves; on a device they download a host
+// copy on demand (tools, inspection, error messages).
+//
+// Every mutating method either completes or leaves the state as it was. A failure of the
+// backend's memory or of a device is sticky: status() reports it (INTERNAL from a device,
+// with the runtime's message) and the state must be discarded. Not thread-safe: a Sequence
+// owns one and serializes access.
 #ifndef KVCM_CACHE_MANAGER_ENGINE_MOMENTUM_STATE_H_
 #define KVCM_CACHE_MANAGER_ENGINE_MOMENTUM_STATE_H_
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <span>
 #include <vector>
 
@@ -48,7 +50,7 @@ class MomentumState {
   // position when `momentum_is_position` (recency). The arrays are sized for the prefill
   // plus the token each step adds, never for the budget (a client's number): they grow
   // with the cache, up to the budget plus one. `device`: the device of a device backend
-  // (ignored on the host). Check status() on a device backend.
+  // (ignored on the host). Check status().
   MomentumState(int64_t prefill_len, int64_t budget, bool momentum_is_position,
                 const kernels::KernelBackend& backend = kernels::CpuBackend(), int device = 0);
   // A cache restored as it was (a snapshot, a resumed sequence): `positions` ascending and
@@ -62,9 +64,7 @@ class MomentumState {
   MomentumState(const MomentumState&) = delete;
   MomentumState& operator=(const MomentumState&) = delete;
 
-  int64_t size() const {
-    return device_ != nullptr ? device_size_ : static_cast<int64_t>(positions_.size());
-  }
+  int64_t size() const { return size_; }
 
   // The bytes the arrays of a state with room for `tokens` hold on `backend` (host and
   // device memory together), saturating at INT64_MAX: what a sequence opened with a
@@ -128,8 +128,8 @@ class MomentumState {
   void ShrinkTo(int64_t budget);
 
   // Scratch for callers that pick indices themselves (random); at least size() entries,
-  // host memory.
-  std::vector<uint64_t>& index_scratch() { return select_scratch_; }
+  // host memory. Overwrites the selection keys of a host backend (they are the same array).
+  std::vector<uint64_t>& index_scratch() { return index_scratch_; }
 
   const kernels::KernelBackend& backend() const { return *backend_; }
   // The device of a device backend (0 on the host).
@@ -138,40 +138,80 @@ class MomentumState {
   const absl::Status& status() const { return status_; }
 
  private:
-  // The device-resident arrays (momentum_state.cc), null on a host backend.
-  struct DeviceArrays;
+  // The arrays of [capacity] entries, in the backend's memory unless stated. Null where
+  // the backend does not need them (momentum_state.cc, InHostMemory).
+  struct Arrays {
+    float* momentum = nullptr;
+    float* scratch = nullptr;          // a scoring step's output until it is committed
+    int64_t* positions = nullptr;
+    int64_t* selected = nullptr;       // indices a step evicts
+    uint64_t* select_keys = nullptr;   // select_lowest's scratch (device backends)
+    int64_t* gathered = nullptr;       // the evicted positions (device backends)
+    int64_t* staged_indices = nullptr;    // host staging (device backends)
+    int64_t* staged_positions = nullptr;  // host staging (device backends)
+
+    void Release(const kernels::BackendMemory& mem);
+  };
 
   // Both constructors: holds `positions` and `momentum`, with room for one more token.
-  void Init(std::span<const int64_t> positions, std::span<const float> momentum, int device);
+  void Init(std::span<const int64_t> positions, std::span<const float> momentum);
+  // Moves the arrays to ones of `capacity` entries (>= size()); on failure keeps them.
   void Reserve(int64_t capacity);
-  void ReserveDevice(int64_t capacity);
-  int64_t capacity() const;
   // The capacity an Append grows a full state to: doubling, but never past what a cache
   // of `budget_` tokens plus a new one needs.
   int64_t GrownCapacity() const;
-  // Device backends: records the first failure.
+  // Records the first failure.
   bool Check(const absl::Status& status) const;
-  // Device backends: copies the selected entries' indices and positions to the host,
-  // removes them, and appends them to the outputs. `selected_on_host`: the indices are
-  // already known on the host (EvictIndices).
-  void EvictSelectedOnDevice(int64_t k, const int64_t* selected_on_host,
-                             std::vector<int64_t>* evicted, std::vector<int64_t>* indices);
+  // Append and AppendAtMean: `value`, or the mean momentum when `at_mean`.
+  void AppendEntry(int64_t position, float value, bool at_mean);
+  // Where the kernels read `scores` from: in place, or uploaded into `scores_`.
+  // Null on failure.
+  const void* ScoresInBackend(const kernels::ScoreMatrix& scores, ScoreSpace space);
+  // `count` values the kernels write to `src` (the backend's memory) as host memory,
+  // readable after the next synchronize. Null on failure.
+  template <typename T>
+  const T* ToHost(const T* src, T* staging, int64_t count) const;
+  // Evicts the `k` entries at `selected` (the backend's memory; `selected_on_host`: the
+  // same indices in host memory when the caller gave them) and appends their positions
+  // and indices to the outputs.
+  void EvictSelected(const int64_t* selected, int64_t k, const int64_t* selected_on_host,
+                     std::vector<int64_t>* evicted, std::vector<int64_t>* indices);
+  // Device backends: the host copies positions() and momentum() return.
   void DownloadMirrors() const;
 
   const kernels::KernelBackend* backend_;
   const int64_t budget_;
-
-  // Host backends.
-  std::vector<int64_t> positions_;
-  std::vector<float> momentum_;
-  std::vector<float> update_scratch_;      // receives the updated momentum before commit
-  std::vector<uint64_t> select_scratch_;   // packed selection keys (device: index_scratch)
-  std::vector<int64_t> selected_scratch_;  // indices chosen for eviction
+  const int device_;
+  kernels::StreamHandle stream_ = nullptr;
+  int64_t size_ = 0;
   int64_t capacity_ = 0;
+  Arrays arrays_;
+  int64_t* invalid_ = nullptr;         // [1]
+  double* mean_ = nullptr;             // [1]
+  int64_t* staged_invalid_ = nullptr;  // [1] host staging (device backends)
+  double* staged_mean_ = nullptr;      // [1] host staging (device backends)
+  void* scores_ = nullptr;             // host scores uploaded for a step (device backends)
+  size_t score_bytes_ = 0;
+  // index_scratch(), [capacity] host; a host backend's selection keys.
+  std::vector<uint64_t> index_scratch_;
 
-  // Device backends.
-  std::unique_ptr<DeviceArrays> device_;
-  int64_t device_size_ = 0;
+  // Append's precondition, checked on every backend without reading the positions: the
+  // newest cached position (INT64_MIN when empty or when an eviction took it: unknown
+  // without a read, so unchecked), and its value before the last Append (PopBack).
+  int64_t newest_position_;
+  int64_t previous_newest_position_;
+
+  // FirstUnprotectedSinkIndex without reading the positions each step: the count of cached
+  // positions below the threshold it was last asked for, kept up to date by appends and
+  // evictions.
+  mutable int64_t sink_threshold_ = -1;  // -1: not asked yet
+  mutable int64_t sink_count_ = 0;
+  mutable bool last_append_below_sinks_ = false;
+
+  // Device backends: the host copies for positions() and momentum().
+  mutable std::vector<int64_t> mirror_positions_;
+  mutable std::vector<float> mirror_momentum_;
+  mutable bool mirror_valid_ = false;
   mutable absl::Status status_;
 };
 
