@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "cache_manager/events/kv_events.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/events/kv_events.h"
 #include "cache_manager/table/sequence_table.h"
 #include "kernels/cpu/hot_loops.h"
 #include "kernels/half_float.h"

@@ -28,11 +28,11 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "cache_manager/engine/sequence.h"
+#include "cache_manager/kv/score_regions.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
-#include "cache_manager/engine/sequence.h"
 #include "server/metrics.h"
-#include "cache_manager/kv/score_regions.h"
 #include "server/step_batch_processor.h"
 
 namespace kvcm {

@@ -1,8 +1,8 @@
 #include "fuzz/fuzz_support.h"
 
 #include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/stubs/logging.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/stubs/logging.h"
 #include "google/protobuf/wire_format_lite.h"
 
 namespace kvcm::fuzz {

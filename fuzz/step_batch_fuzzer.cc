@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "cache_manager/kv/block_pool.h"
 #include "cache_manager/base/check.h"
-#include "cache_manager/kv/kv_pools.h"
 #include "cache_manager/base/mutex.h"
+#include "cache_manager/kv/block_pool.h"
+#include "cache_manager/kv/kv_pools.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
 #include "fuzz/fuzz_support.h"

@@ -30,7 +30,7 @@ def long_functions(path, limit):
     start = None  # (line index, depth at open)
     for i, raw in enumerate(lines):
         line = strip(raw)
-        if start is None and OPENER.search(line) and not CONTROL.match(line) and depth <= 2:
+        if start is None and OPENER.search(line) and not CONTROL.match(line) and depth <= 3:
             # Walk back to the signature's first line (a line after a blank, ';', '}' or '{').
             j = i
             while j > 0 and lines[j - 1].strip() and not lines[j - 1].rstrip().endswith((';', '}', '{', ':')) \

@@ -341,8 +341,9 @@ void Daemon::CreateExecutor() {
       options_.engine_threads > 0
           ? options_.engine_threads
           : std::max<int32_t>(1, static_cast<int32_t>(std::thread::hardware_concurrency()));
-  // Every in-flight batch posts at most one task per engine thread; unary Step calls add
-  // what gRPC lets through concurrently.
+  // Every in-flight batch posts at most one task per engine thread; unary Step calls, and
+  // every Open, Close, Inspect, List and KV-events subscription (one task each), add what
+  // gRPC lets through concurrently: the headroom. Past it they are RESOURCE_EXHAUSTED.
   const int64_t queue_capacity =
       int64_t{options_.max_streams} * options_.max_inflight_batches + 4096;
   executor_ = std::make_unique<StepExecutor>(engine_threads, queue_capacity);

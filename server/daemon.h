@@ -16,12 +16,12 @@
 #include "absl/time/time.h"
 #include "cache_manager/base/byte_budget.h"
 #include "cache_manager/base/mutex.h"
+#include "cache_manager/kv/score_regions.h"
 #include "cache_manager/persist/snapshot.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
 #include "kernels/backend.h"
 #include "server/metrics.h"
-#include "cache_manager/kv/score_regions.h"
 #include "server/server_options.h"
 
 namespace grpc {

@@ -7,9 +7,9 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "cache_manager/base/status_macros.h"
 #include "server/kv_events_reactor.h"
 #include "server/step_stream_reactor.h"
-#include "cache_manager/base/status_macros.h"
 #include "server/translate.h"
 
 namespace kvcm::server {

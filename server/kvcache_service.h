@@ -36,12 +36,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/mutex.h"
+#include "cache_manager/kv/score_regions.h"
 #include "cache_manager/table/sequence_table.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/metrics.h"
-#include "cache_manager/kv/score_regions.h"
 #include "server/server_options.h"
 #include "server/step_batch_processor.h"
 

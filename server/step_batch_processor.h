@@ -19,12 +19,12 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "cache_manager/kv/score_regions.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"
 #include "server/rpc_account.h"
-#include "cache_manager/kv/score_regions.h"
 
 namespace kvcm::server {
 

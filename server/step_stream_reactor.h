@@ -29,8 +29,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
-#include "grpcpp/alarm.h"
 #include "cache_manager/base/mutex.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.pb.h"
 #include "server/metrics.h"

@@ -10,13 +10,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cache_manager/kv/block_pool.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/kv/block_pool.h"
+#include "cache_manager/kv/score_regions.h"
 #include "cache_manager/table/sequence_table.h"
 #include "grpcpp/support/status.h"
 #include "kernels/score_matrix.h"
 #include "kvcache/v1/kvcache.pb.h"
-#include "cache_manager/kv/score_regions.h"
 #include "server/server_options.h"
 
 namespace kvcm::server {

@@ -4,9 +4,9 @@
 #define KVCM_CACHE_MANAGER_BASE_CLOCK_H_
 
 #include "absl/base/thread_annotations.h"
-#include "cache_manager/base/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cache_manager/base/mutex.h"
 
 namespace kvcm {
 

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "cache_manager/engine/diagnostics.h"
-#include "cache_manager/policy/policy.h"
 #include "cache_manager/kv/kv_slot_changes.h"
+#include "cache_manager/policy/policy.h"
 
 namespace kvcm {
 

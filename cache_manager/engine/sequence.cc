@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/status_macros.h"
+#include "cache_manager/engine/score_checks.h"
 #include "kernels/score_validation.h"
 
 namespace kvcm {
@@ -224,19 +225,7 @@ SequenceProgress Sequence::Progress() const {
 }
 
 absl::Status Sequence::CheckScores(int64_t step, const kernels::ScoreMatrix& scores) const {
-  const int64_t expected = state_.size() + 1;
-  if (scores.tokens != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence '", id_, "' step ", step, ": scores cover ", scores.tokens,
-        " tokens per layer, the cache holds ", expected, " (", state_.size(),
-        " cached + the new token)"));
-  }
-  if (scores.layer_stride < scores.tokens || scores.data == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sequence '", id_, "' step ", step, ": malformed score block (stride ",
-        scores.layer_stride, " < ", scores.tokens, " tokens, or no data)"));
-  }
-  return absl::OkStatus();
+  return CheckScoreShape(ScoresAt{id_, step}, "scores", scores, state_.size());
 }
 
 absl::Status Sequence::DescribeInvalidScore(int64_t step, const kernels::ScoreMatrix& scores,
@@ -249,9 +238,8 @@ absl::Status Sequence::DescribeInvalidScore(int64_t step, const kernels::ScoreMa
   const std::string row = score_layout_ == ScoreLayout::kFolded
                               ? std::string("folded row")
                               : absl::StrCat("layer ", bad.layer);
-  return absl::InvalidArgumentError(absl::StrCat(
-      "sequence '", id_, "' step ", step, ": ", row, " score ", bad.index, " (position ",
-      position, ") is ", bad.value, "; scores must be finite and >= 0"));
+  return InvalidScoreError(ScoresAt{id_, step}, row, "score", bad.index, position, bad.value,
+                           "scores");
 }
 
 absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,

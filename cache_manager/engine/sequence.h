@@ -16,12 +16,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cache_manager/policy/token_budget.h"
 #include "cache_manager/engine/diagnostics.h"
 #include "cache_manager/engine/eviction_decision.h"
-#include "cache_manager/policy/fold.h"
 #include "cache_manager/engine/momentum_state.h"
+#include "cache_manager/policy/fold.h"
 #include "cache_manager/policy/policy.h"
+#include "cache_manager/policy/token_budget.h"
 #include "kernels/score_matrix.h"
 
 namespace kvcm {

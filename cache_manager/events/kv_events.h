@@ -60,9 +60,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "cache_manager/base/clock.h"
+#include "cache_manager/base/mutex.h"
 #include "cache_manager/engine/eviction_decision.h"
 #include "cache_manager/kv/kv_pools.h"
-#include "cache_manager/base/mutex.h"
 
 namespace kvcm {
 

@@ -10,7 +10,6 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "cache_manager/base/status_macros.h"
 
 namespace kvcm {
@@ -51,7 +50,7 @@ struct ScoreRegions::Mapping {
 
 namespace {
 
-int64_t NowNanos() { return absl::ToUnixNanos(absl::Now()); }
+int64_t NowNanos(const Clock& clock) { return absl::ToUnixNanos(clock.Now()); }
 
 absl::Status CheckName(const std::string& name) {
   if (name.size() < 2 || name.size() > 251 || name[0] != '/' ||
@@ -101,7 +100,7 @@ absl::StatusOr<uint64_t> ScoreRegions::Register(absl::string_view tenant, const 
   if (base == MAP_FAILED) return refuse(absl::StrCat("mmap: ", std::strerror(errno)));
   auto mapping = std::make_shared<Mapping>(std::string(tenant), name, fd, base,
                                            static_cast<size_t>(byte_size));
-  mapping->last_used_ns.store(NowNanos(), std::memory_order_relaxed);
+  mapping->last_used_ns.store(NowNanos(*options_.clock), std::memory_order_relaxed);
 
   return Insert(std::move(mapping), absl::StrCat("score region ", name));
 }
@@ -185,7 +184,7 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
   // back to the budget when it goes.
   auto mapping = std::make_shared<Mapping>(std::string(tenant), *std::move(storage), fd,
                                            options_.created_in_backend, device, budget);
-  mapping->last_used_ns.store(NowNanos(), std::memory_order_relaxed);
+  mapping->last_used_ns.store(NowNanos(*options_.clock), std::memory_order_relaxed);
   ASSIGN_OR_RETURN(created.region, Insert(std::move(mapping), "CreateScoreRegion"));
   return created;
 }
@@ -232,7 +231,7 @@ absl::StatusOr<ScoreRegions::View> ScoreRegions::Resolve(absl::string_view tenan
         describe(), ": the shared-memory object shrank to ", st.st_size,
         " bytes, below the ", mapping->size, " registered; register it again"));
   }
-  mapping->last_used_ns.store(NowNanos(), std::memory_order_relaxed);
+  mapping->last_used_ns.store(NowNanos(*options_.clock), std::memory_order_relaxed);
   View view;
   view.data = static_cast<const std::byte*>(mapping->base) + range.offset;
   view.size = static_cast<size_t>(range.byte_size);

@@ -30,8 +30,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache_manager/base/byte_budget.h"
-#include "cache_manager/kv/kv_storage.h"
+#include "cache_manager/base/clock.h"
 #include "cache_manager/base/mutex.h"
+#include "cache_manager/kv/kv_storage.h"
 
 namespace kvcm {
 
@@ -56,6 +57,9 @@ struct ScoreRegionsOptions {
   ByteBudget* created_budget = nullptr;
   // Created regions' shared-memory names: this prefix, then a counter.
   std::string created_name_prefix = "/kvcm-scores-";
+  // When a region was last named (for DropIdle); the real clock by default, a ManualClock
+  // in tests. Must outlive the regions.
+  const Clock* clock = Clock::Real();
 };
 
 // What a worker needs to map a created region.

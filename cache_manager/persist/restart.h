@@ -12,8 +12,8 @@
 
 #include "absl/status/status.h"
 #include "cache_manager/kv/kv_pools.h"
-#include "cache_manager/table/sequence_table.h"
 #include "cache_manager/persist/snapshot.h"
+#include "cache_manager/table/sequence_table.h"
 
 namespace kvcm {
 

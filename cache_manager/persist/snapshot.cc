@@ -79,6 +79,14 @@ constexpr uint8_t CountKvDtype(kernels::KvDtype e = kernels::KvDtype::kBFloat16)
   return CountOf(kernels::KvDtype::kBFloat16);
 }
 
+// Each is stored as one byte.
+static_assert(std::is_same_v<std::underlying_type_t<Aggregation>, uint8_t> &&
+              std::is_same_v<std::underlying_type_t<Refresh>, uint8_t> &&
+              std::is_same_v<std::underlying_type_t<ScoreLayout>, uint8_t> &&
+              std::is_same_v<std::underlying_type_t<DecisionEncoding>, uint8_t> &&
+              std::is_same_v<std::underlying_type_t<kernels::ScoreDtype>, uint8_t> &&
+              std::is_same_v<std::underlying_type_t<kernels::KvDtype>, uint8_t>);
+
 template <typename E>
 constexpr uint8_t kEnumCount = 0;  // not a stored enum
 template <>

@@ -22,19 +22,19 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/backend.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "cache_manager/base/byte_budget.h"
 #include "cache_manager/base/clock.h"
+#include "cache_manager/base/mutex.h"
 #include "cache_manager/engine/diagnostics.h"
 #include "cache_manager/engine/eviction_decision.h"
+#include "cache_manager/engine/sequence.h"
 #include "cache_manager/events/kv_events.h"
 #include "cache_manager/kv/kv_pools.h"
-#include "cache_manager/base/mutex.h"
-#include "cache_manager/engine/sequence.h"
 #include "cache_manager/table/sequence_slot.h"
 #include "cache_manager/tp/tensor_parallel_join.h"
+#include "kernels/backend.h"
 
 namespace kvcm {
 

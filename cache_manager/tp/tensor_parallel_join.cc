@@ -1,11 +1,11 @@
 #include "cache_manager/tp/tensor_parallel_join.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/check.h"
 #include "cache_manager/base/status_macros.h"
+#include "cache_manager/engine/score_checks.h"
 #include "kernels/momentum_update.h"
 #include "kernels/score_validation.h"
 
@@ -123,8 +123,7 @@ std::vector<int32_t> TensorParallelJoin::MissingRanks() const {
 
 absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpectation& expect) {
   const auto where = [&]() {
-    return absl::StrCat("sequence '", expect.sequence_id, "' step ", report.step, " rank ",
-                        report.rank, ": ");
+    return DescribeScoresAt(ScoresAt{expect.sequence_id, report.step, report.rank});
   };
   if (report.rank < 0 || report.rank >= world_size_) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -152,17 +151,11 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
       return absl::InvalidArgumentError(
           absl::StrCat(where(), "head_count is ", report.head_count, "; it must be >= 1"));
     }
-    if (p.tokens != expect.tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where(), "partial sums cover ", p.tokens, " tokens per layer, the cache holds ",
-          expect.tokens, " (cached + the new token)"));
-    }
+    const ScoresAt at{expect.sequence_id, report.step, report.rank};
+    RETURN_IF_ERROR(CheckScoreShape(at, "partial sums", p, expect.tokens - 1));
     if (layers_ != 0 && p.layers != layers_) {
       return absl::InvalidArgumentError(absl::StrCat(
           where(), "report has ", p.layers, " layers, earlier ranks reported ", layers_));
-    }
-    if (p.data == nullptr || p.layer_stride < p.tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(where(), "malformed partial sums"));
     }
     const bool on_device = report.in_backend && device_backend_ != nullptr;
     const int device = report.device >= 0 ? report.device : device_;
@@ -179,9 +172,8 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
     if (invalid != 0) {
       const kernels::InvalidScore bad =
           on_device ? FindInvalidOnDevice(p, device) : kernels::FindFirstInvalidScore(p);
-      return absl::InvalidArgumentError(absl::StrCat(
-          where(), "layer ", bad.layer, " partial sum ", bad.index, " is ", bad.value,
-          "; partial sums must be finite and >= 0"));
+      return InvalidScoreError(at, absl::StrCat("layer ", bad.layer), "partial sum", bad.index,
+                               -1, bad.value, "partial sums");
     }
     slot.head_count = report.head_count;
     layers_ = p.layers;
@@ -196,13 +188,10 @@ absl::Status TensorParallelJoin::Add(const RankReport& report, const JoinExpecta
       ++arrived_;
       return absl::OkStatus();
     }
-    // Accepted: copy it densely.
-    const size_t row_bytes = static_cast<size_t>(p.tokens) * kernels::ScoreDtypeSize(p.dtype);
-    slot.bytes.resize(row_bytes * static_cast<size_t>(p.layers));
-    for (int64_t layer = 0; layer < p.layers; ++layer) {
-      std::memcpy(slot.bytes.data() + static_cast<size_t>(layer) * row_bytes, p.Row(layer),
-                  row_bytes);
-    }
+    // Accepted: copy it densely (host to host: the CPU backend's memory is host memory).
+    slot.bytes.resize(static_cast<size_t>(p.layers * p.tokens) * kernels::ScoreDtypeSize(p.dtype));
+    RETURN_IF_ERROR(kernels::CopyScoreRowsDense(kernels::CpuBackend().mem, p, slot.bytes.data(),
+                                                kernels::CopyKind::kWithinBackend, nullptr));
     slot.view = kernels::ScoreMatrix::Dense(slot.bytes.data(), p.dtype, p.layers, p.tokens);
   }
   if (has_scores && !expect.scoring_step) scores_ignored_ = true;

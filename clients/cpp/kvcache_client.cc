@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/support/client_interceptor.h"
-#include "wire/wire_dtype.h"
 #include "kernels/half_float.h"
+#include "wire/wire_dtype.h"
 
 namespace kvcm::client {
 namespace {

@@ -7,14 +7,14 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/notification.h"
-#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "cache_manager/policy/token_budget.h"
-#include "cache_manager/policy/fold.h"
-#include "cache_manager/table/sequence_table.h"
 #include "cache_manager/base/status_macros.h"
+#include "cache_manager/policy/fold.h"
+#include "cache_manager/policy/token_budget.h"
+#include "cache_manager/table/sequence_table.h"
 #include "clients/cpp/kvcache_client.h"
 #include "clients/cpp/score_region.h"
 

@@ -11,8 +11,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cache_manager/policy/policy.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/policy/policy.h"
 #include "clients/replay/replay_backend.h"
 #include "kernels/backend.h"
 

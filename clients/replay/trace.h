@@ -12,9 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cache_manager/policy/token_budget.h"
-#include "cache_manager/policy/policy.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/policy/policy.h"
+#include "cache_manager/policy/token_budget.h"
 #include "kernels/score_matrix.h"
 
 namespace kvcm::replay {

@@ -6,9 +6,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/momentum_update_cuda.h"
-#include "absl/time/clock.h"
 
 namespace kvcm::kernels::cuda {
 namespace {

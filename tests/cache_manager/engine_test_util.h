@@ -9,8 +9,8 @@
 
 #include "absl/status/status.h"
 #include "cache_manager/base/check.h"
-#include "cache_manager/kv/kv_pools.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/kv/kv_pools.h"
 #include "kernels/score_matrix.h"
 
 namespace kvcm::testing {

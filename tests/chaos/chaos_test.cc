@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "gtest/gtest.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "tests/chaos/chaos_client.h"
 #include "tests/server/daemon_process.h"
 #include "tests/server/daemon_test.h"

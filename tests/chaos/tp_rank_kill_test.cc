@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
 #include "cache_manager/engine/sequence.h"
 #include "gmock/gmock.h"

@@ -28,8 +28,8 @@
 #include "cache_manager/tp/tensor_parallel_join.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_backend.h"
-#include "tests/gpu/gpu_test_util.h"
 #include "tests/cache_manager/kv/kv_pattern.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kvcm {
 namespace {

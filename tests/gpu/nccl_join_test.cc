@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "cache_manager/tp/nccl_cross_device_join.h"
 #include "cache_manager/table/sequence_table.h"
+#include "cache_manager/tp/nccl_cross_device_join.h"
 #include "cache_manager/tp/tensor_parallel_join.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_backend.h"

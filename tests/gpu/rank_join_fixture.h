@@ -13,11 +13,11 @@
 
 #include "absl/status/status.h"
 #include "cache_manager/engine/eviction_decision.h"
-#include "cache_manager/policy/policy.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/policy/policy.h"
 #include "cache_manager/table/sequence_table.h"
-#include "kernels/score_matrix.h"
 #include "gtest/gtest.h"
+#include "kernels/score_matrix.h"
 
 namespace kvcm::testing {
 

@@ -18,10 +18,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "cache_manager/table/sequence_table.h"
 #include "cache_manager/base/check.h"
-#include "cache_manager/persist/snapshot.h"
 #include "cache_manager/base/status_macros.h"
+#include "cache_manager/persist/snapshot.h"
+#include "cache_manager/table/sequence_table.h"
 #include "clients/replay/grpc_backend.h"
 #include "clients/replay/replay_run.h"
 #include "gmock/gmock.h"

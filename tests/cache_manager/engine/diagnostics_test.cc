@@ -2,10 +2,7 @@
 // cases, the sampling cadence and the id hash, "off" computing nothing, steady steps
 // allocating nothing, and every golden trace stepped with diagnostics on every step against
 // the same figures computed offline from the trace (checked against its golden decisions).
-// This binary replaces the global operator new (malloc) and delete (free) to count heap
-// allocations; GCC then flags every inlined delete of a new'd pointer as mismatched.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
+// This binary counts heap allocations (tests/cache_manager/count_allocations.h).
 #include "cache_manager/engine/diagnostics.h"
 
 #include <algorithm>
@@ -26,22 +23,11 @@
 #include "cache_manager/table/sequence_table.h"
 #include "clients/replay/trace.h"
 #include "gtest/gtest.h"
+#include "tests/cache_manager/count_allocations.h"
 #include "tests/cache_manager/engine_test_util.h"
 #include "tests/cache_manager/reference_engine.h"
 #include "tests/clients/golden.h"
 
-// Counts heap allocations of this test binary, for the steady-state test.
-namespace {
-std::atomic<int64_t> g_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t size) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace kvcm {
 namespace {
@@ -271,13 +257,13 @@ TEST(SequenceDiagnosticsTest, SteadyStepsAllocateNothing) {
   const Layers steady = ::kvcm::testing::RandomLayers(rng, 4, budget + 1, false);
   DenseScores scores(steady);
   ASSERT_TRUE(s->Step(2, &scores.matrix, &d).ok());  // warm up: the first measured step
-  const int64_t before = g_allocations.load();
+  const int64_t before = ::kvcm::testing::AllocationCount();
   int measured = 0;
   for (int64_t t = 3; t < 103; ++t) {
     ASSERT_TRUE(s->Step(t, &scores.matrix, &d).ok());
     measured += d.diagnostics.measured ? 1 : 0;
   }
-  EXPECT_EQ(g_allocations.load() - before, 0);
+  EXPECT_EQ(::kvcm::testing::AllocationCount() - before, 0);
   EXPECT_EQ(measured, 100);
 }
 

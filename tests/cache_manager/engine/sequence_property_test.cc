@@ -4,8 +4,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "cache_manager/policy/token_budget.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/policy/token_budget.h"
 #include "gtest/gtest.h"
 #include "tests/cache_manager/engine_test_util.h"
 #include "tests/cache_manager/reference_engine.h"

@@ -1,5 +1,5 @@
-#include "cache_manager/policy/token_budget.h"
 #include "cache_manager/policy/policy.h"
+#include "cache_manager/policy/token_budget.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {

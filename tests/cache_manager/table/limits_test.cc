@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/engine/momentum_state.h"
-#include "cache_manager/policy/policy.h"
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/policy/policy.h"
 #include "cache_manager/table/sequence_table.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

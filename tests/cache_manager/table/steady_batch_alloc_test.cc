@@ -1,14 +1,8 @@
 // A steady batch of reports through the table allocates nothing, for the ids serving engines
 // use (request ids of about 40 bytes, and any up to kMaxSequenceIdBytes) under a tenant: the
-// registry's key is built on the stack (SequenceKey). This binary replaces the global
-// operator new to count heap allocations; GCC then flags every inlined delete of a new'd
-// pointer as mismatched.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-
-#include <atomic>
+// registry's key is built on the stack (SequenceKey). This binary counts heap allocations
+// (tests/cache_manager/count_allocations.h).
 #include <cstdint>
-#include <cstdlib>
-#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -16,19 +10,8 @@
 #include "absl/status/status.h"
 #include "cache_manager/table/sequence_table.h"
 #include "gtest/gtest.h"
+#include "tests/cache_manager/count_allocations.h"
 #include "tests/cache_manager/engine_test_util.h"
-
-namespace {
-std::atomic<int64_t> g_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t size) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace kvcm {
 namespace {
@@ -83,9 +66,9 @@ int64_t AllocationsOfSteadyBatches(size_t id_bytes, const std::string& tenant) {
   };
   step_all(1, first);
   step_all(2, steady);  // warm up the steady shape
-  const int64_t before = g_allocations.load();
+  const int64_t before = ::kvcm::testing::AllocationCount();
   for (int64_t step = 3; step < 53; ++step) step_all(step, steady);
-  const int64_t allocations = g_allocations.load() - before;
+  const int64_t allocations = ::kvcm::testing::AllocationCount() - before;
   EXPECT_EQ(sink.failed, 0);
   EXPECT_EQ(sink.ok, 52 * kSequences);
   return allocations;
