@@ -17,6 +17,10 @@ absl::Status HostAllocate(size_t bytes, void** ptr) {
   if (*ptr == nullptr) {
     return absl::ResourceExhaustedError("host allocation failed");
   }
+  // Zero-filled, so that the pages are touched where the arrays are allocated (a sequence's
+  // Open, an array's growth) rather than in the middle of a step: the first step of a long
+  // prefill writes its whole scratch once, and its page faults belong to the Open.
+  std::memset(*ptr, 0, rounded);
   return absl::OkStatus();
 }
 
