@@ -516,6 +516,7 @@ void Daemon::ProbeLoop() {
               if (tcp_listener_ != nullptr) tcp_listener_->ExpectProbe(local_port);
             },
             /*tls=*/!options_.tls_cert_file.empty());
+    metrics_->ListenerProbe(probed.ok());
     if (probed.ok() == accepting) continue;
     accepting = probed.ok();
     if (accepting) {
@@ -555,21 +556,25 @@ void Daemon::ReclaimLoop() {
     metrics_->SetStepPathGauges(executor_->QueuedTasks(), regions_ ? regions_->count() : 0,
                                 created_region_budget_ ? created_region_budget_->used() : 0,
                                 table_->pending_join_bytes());
-    if (options_.idle_timeout <= absl::ZeroDuration()) continue;
-    if (regions_ != nullptr) {
-      const int64_t dropped = regions_->DropIdle(options_.idle_timeout, absl::Now());
-      if (dropped > 0) {
-        std::fprintf(stderr, "kvcached: dropped %lld score region(s) unused for %s\n",
-                     static_cast<long long>(dropped),
-                     absl::FormatDuration(options_.idle_timeout).c_str());
-      }
+    if (options_.idle_timeout > absl::ZeroDuration()) ReclaimIdle();
+    metrics_->HousekeepingPass();
+  }
+}
+
+void Daemon::ReclaimIdle() {
+  if (regions_ != nullptr) {
+    const int64_t dropped = regions_->DropIdle(options_.idle_timeout, absl::Now());
+    if (dropped > 0) {
+      std::fprintf(stderr, "kvcached: dropped %lld score region(s) unused for %s\n",
+                   static_cast<long long>(dropped),
+                   absl::FormatDuration(options_.idle_timeout).c_str());
     }
-    for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
-      metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);
-      std::fprintf(stderr, "kvcached: reclaimed sequence '%s' after %s idle (step %lld)\n",
-                   EscapeText(info.id).c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
-                   static_cast<long long>(info.last_step));
-    }
+  }
+  for (const SequenceInfo& info : table_->ReclaimIdle(options_.idle_timeout)) {
+    metrics_->SequenceClosed(info.policy.preset, CloseReason::kIdleTimeout);
+    std::fprintf(stderr, "kvcached: reclaimed sequence '%s' after %s idle (step %lld)\n",
+                 EscapeText(info.id).c_str(), absl::FormatDuration(options_.idle_timeout).c_str(),
+                 static_cast<long long>(info.last_step));
   }
 }
 

@@ -92,6 +92,8 @@ class Daemon {
   // Health SERVING, and the reclaimer and prober threads.
   void StartServing();
   void ReclaimLoop();
+  // Drops the score regions and reclaims the sequences idle for --idle_timeout.
+  void ReclaimIdle();
   // Probes the listener every listener_probe_interval and tells health what it found.
   void ProbeLoop();
   // Runs what the engine threads still hold and answers every batch left waiting for

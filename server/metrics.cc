@@ -103,6 +103,14 @@ void ServerMetrics::AddProcessSeries(const BuildInfo& build) {
                           "1 while health is SERVING, 0 while draining or not ready")
                   .Add({});
   streams_open_ = &RegisterGauges(r, "kvcache_streams_open", "Step streams currently open").Add({});
+  housekeeping_passes_ =
+      &RegisterCounters(r, "kvcache_housekeeping_passes_total",
+                        "Passes of the housekeeping loop: memory trim, stale joins, gauges, "
+                        "idle reclaim (about once a second)")
+           .Add({});
+  auto& probes = RegisterCounters(r, "kvcache_listener_probes_total",
+                                  "Self-probes of the gRPC listener, by whether it answered");
+  listener_probes_ = {&probes.Add({{"result", "failed"}}), &probes.Add({{"result", "ok"}})};
 }
 
 void ServerMetrics::AddPolicySeries() {
@@ -310,6 +318,8 @@ double ServerMetrics::ErrorCount(Rpc rpc, absl::StatusCode code) const {
 void ServerMetrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
 void ServerMetrics::StreamOpened() { streams_open_->Increment(); }
 void ServerMetrics::StreamClosed() { streams_open_->Decrement(); }
+void ServerMetrics::HousekeepingPass() { housekeeping_passes_->Increment(); }
+void ServerMetrics::ListenerProbe(bool ok) { listener_probes_[ok ? 1 : 0]->Increment(); }
 
 namespace {
 

@@ -86,6 +86,10 @@ class ServerMetrics {
   void SetServing(bool serving);
   void StreamOpened();
   void StreamClosed();
+  // One pass of the housekeeping loop done (memory trim, stale joins, gauges, idle reclaim).
+  void HousekeepingPass();
+  // One self-probe of the listener, and whether it was answered (server/health_service.h).
+  void ListenerProbe(bool ok);
 
   // Test hook: the value of kvcache_errors_total{rpc, code}.
   double ErrorCount(Rpc rpc, absl::StatusCode code) const;
@@ -137,6 +141,8 @@ class ServerMetrics {
   prometheus::Gauge* pending_join_bytes_;
   prometheus::Gauge* serving_;
   prometheus::Gauge* streams_open_;
+  prometheus::Counter* housekeeping_passes_;
+  std::array<prometheus::Counter*, 2> listener_probes_;  // [failed, ok]
 };
 
 // kvcache_pool_capacity_blocks, kvcache_pool_used_blocks and kvcache_pool_block_bytes by

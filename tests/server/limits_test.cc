@@ -27,6 +27,7 @@ namespace v1 = ::kvcache::v1;
 using ::kvcm::testing::MetricValue;
 using ::kvcm::testing::ResidentBytes;
 using ::kvcm::testing::Scores;
+using ::kvcm::testing::WaitFor;
 using ::testing::HasSubstr;
 
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
@@ -176,11 +177,14 @@ TEST_F(LimitsTest, MemoryLimitRefusesOpensPastItAndRssStaysBounded) {
   // under a loaded machine is tens of MiB more than an idle daemon's.
   ASSERT_TRUE(client_->Open(client::OpenRequest("warm-up", 1 << 20, 0.9, "inertia")).ok());
   ASSERT_TRUE(client_->Close("warm-up").ok());
-  // A sleep kept on purpose: the baseline follows the reclaimer's trim of the warm-up's
-  // freed memory (a pass every second), and a pass leaves no trace to wait for (no metric
-  // counts passes, and the resident memory need not fall: on some machines the trim
-  // returns nothing). With a pass counter on /metrics this becomes a wait for two passes.
-  absl::SleepFor(absl::Seconds(2));
+  // The baseline follows the housekeeping loop's trim of the warm-up's freed memory: two
+  // more passes, so that one started after the close (the resident memory itself need not
+  // fall: on some machines the trim returns nothing).
+  const double passes = MetricValue(Metrics(), "kvcache_housekeeping_passes_total");
+  ASSERT_GE(passes, 0);
+  ASSERT_TRUE(WaitFor(
+      [&] { return MetricValue(Metrics(), "kvcache_housekeeping_passes_total") >= passes + 2; },
+      absl::Seconds(30), "two housekeeping passes after the warm-up's close"));
   const int64_t baseline = ResidentBytes(daemon_->pid());
   ASSERT_GT(baseline, 0);
   EXPECT_EQ(MetricValue(Metrics(), "kvcache_memory_limit_bytes"), kLimit);

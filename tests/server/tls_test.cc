@@ -31,6 +31,9 @@ namespace {
 
 namespace v1 = ::kvcache::v1;
 using ::kvcm::testing::DaemonProcess;
+using ::kvcm::testing::HttpGet;
+using ::kvcm::testing::MetricValue;
+using ::kvcm::testing::WaitFor;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -82,13 +85,21 @@ std::vector<std::string> TlsFlags(bool mtls) {
   return flags;
 }
 
-// Lets the daemon's self-probe run about five times. The one sleep these tests keep, on
-// purpose: a probe that succeeds leaves no trace (no log line, no metric, and health
-// changes only when a probe fails), so there is no event to wait for. A probe that does
-// not speak the listener's protocol fails the first time and logs NOT_SERVING, which the
-// callers check is absent afterwards. With a probe counter on /metrics this would become
-// a wait for the counter to advance.
-void LetTheSelfProbeRun() { absl::SleepFor(5 * kProbeInterval); }
+// The daemon's self-probes so far that got an answer (`ok`) or not, from its /metrics.
+double SelfProbes(const DaemonProcess& daemon, bool ok) {
+  absl::StatusOr<std::string> text = HttpGet(daemon.metrics_address(), "/metrics");
+  if (!text.ok()) return -1;
+  return MetricValue(*text, ok ? "kvcache_listener_probes_total{result=\"ok\"}"
+                               : "kvcache_listener_probes_total{result=\"failed\"}");
+}
+
+// Waits until the daemon's self-probe has been answered five times, then checks that none
+// failed: the probe speaks the listener's protocol (a probe that does not fails at once).
+void ExpectTheSelfProbeAnswered(const DaemonProcess& daemon) {
+  EXPECT_TRUE(WaitFor([&] { return SelfProbes(daemon, /*ok=*/true) >= 5; }, absl::Seconds(30),
+                      "five answered self-probes"));
+  EXPECT_EQ(SelfProbes(daemon, /*ok=*/false), 0);
+}
 
 // A client of `daemon` with these TLS files ("" for none) and token.
 absl::StatusOr<std::unique_ptr<client::KvCacheClient>> ConnectTo(
@@ -152,7 +163,7 @@ TEST_F(TlsTest, ATlsDaemonServesTlsClientsRefusesPlaintextAndStaysServing) {
   auto plain = ConnectTo(**daemon, "");
   EXPECT_EQ(plain.status().code(), absl::StatusCode::kUnavailable);
   // The self-probe speaks TLS: health stays SERVING.
-  LetTheSelfProbeRun();
+  ExpectTheSelfProbeAnswered(**daemon);
   EXPECT_EQ(Health(TlsChannel(**daemon, false)), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("NOT_SERVING")));
 }
@@ -171,7 +182,7 @@ TEST_F(TlsTest, MutualTlsRefusesClientsWithoutACertificateOrWithAnotherCasAndSta
   if (stranger.ok()) {
     EXPECT_EQ((*stranger)->List().status().code(), absl::StatusCode::kUnavailable);
   }
-  LetTheSelfProbeRun();
+  ExpectTheSelfProbeAnswered(**daemon);
   EXPECT_EQ(Health(TlsChannel(**daemon, true)), grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("NOT_SERVING")));
 }
@@ -612,7 +623,7 @@ TEST_F(TlsTest, AUnixSocketSpeaksTlsTooAndItsProbeStaysServing) {
   ASSERT_TRUE(tls.ok()) << tls.status();
   EXPECT_TRUE((*tls)->List().ok());
   EXPECT_EQ(ConnectTo(**daemon, "").status().code(), absl::StatusCode::kUnavailable);
-  LetTheSelfProbeRun();
+  ExpectTheSelfProbeAnswered(**daemon);
   EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("NOT_SERVING")));
   daemon->reset();
   std::filesystem::remove_all(dir);
