@@ -32,6 +32,7 @@ namespace kvcm::server {
 namespace {
 
 namespace v1 = ::kvcache::v1;
+using ::kvcm::testing::WaitFor;
 using ::testing::HasSubstr;
 
 constexpr int64_t kQueueCapacity = 4;
@@ -220,7 +221,10 @@ TEST_F(EngineThreadRpcTest, FullEngineQueueRefusesWithResourceExhaustedNamingIt)
   EXPECT_EQ(metrics_.ErrorCount(Rpc::kListSequences, absl::StatusCode::kResourceExhausted), 1);
 
   gate_.release.Notify();
-  OpenSequence("s");  // the engine caught up: the retry is served
+  // Once the engine thread has taken its queue, the retry is served.
+  ASSERT_TRUE(WaitFor([&] { return executor_->QueuedTasks() == 0; }, absl::Seconds(60),
+                      "the engine thread took its queue"));
+  OpenSequence("s");
 }
 
 TEST_F(EngineThreadRpcTest, StoppingEngineAnswersUnavailable) {
