@@ -93,6 +93,19 @@ class EngineThreadRpcTest : public ::testing::Test {
     ASSERT_EQ(executor_->QueuedTasks(), tasks) << "the RPC was not queued on the engine thread";
   }
 
+  // Opens `id`, holds the engine thread, and queues step 1 of `id` behind it on a new
+  // step stream (returned in `stream`).
+  void QueueFirstStepBehindHeldEngine(const std::string& id,
+                                      std::unique_ptr<client::StepStream>* stream) {
+    OpenSequence(id);
+    HoldEngine();
+    absl::StatusOr<std::unique_ptr<client::StepStream>> opened = client_->OpenStepStream();
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    *stream = *std::move(opened);
+    ASSERT_TRUE((*stream)->Send(FirstStep(id)).ok());
+    WaitForQueued(1);
+  }
+
   void OpenSequence(const std::string& id) {
     ASSERT_TRUE(client_->Open(client::OpenRequest(id, kPrefill, 0.5, "inertia")).ok());
   }
@@ -122,12 +135,8 @@ class EngineThreadRpcTest : public ::testing::Test {
 };
 
 TEST_F(EngineThreadRpcTest, CloseSentAfterAStepIsAnsweredAfterThatStep) {
-  OpenSequence("s");
-  HoldEngine();
-  absl::StatusOr<std::unique_ptr<client::StepStream>> stream = client_->OpenStepStream();
-  ASSERT_TRUE(stream.ok()) << stream.status();
-  ASSERT_TRUE((*stream)->Send(FirstStep("s")).ok());
-  WaitForQueued(1);
+  std::unique_ptr<client::StepStream> stream;
+  ASSERT_NO_FATAL_FAILURE(QueueFirstStepBehindHeldEngine("s", &stream));
   std::future<absl::StatusOr<v1::SequenceStats>> closed =
       std::async(std::launch::async, [this] { return client_->Close("s"); });
   WaitForQueued(2);  // the Close is queued behind the step, its gRPC thread free
@@ -137,7 +146,7 @@ TEST_F(EngineThreadRpcTest, CloseSentAfterAStepIsAnsweredAfterThatStep) {
   EXPECT_TRUE(client_->stub().DescribeKvPools(&context, {}, &pools).ok());
 
   gate_.release.Notify();
-  absl::StatusOr<v1::DecisionBatch> decided = (*stream)->Receive();
+  absl::StatusOr<v1::DecisionBatch> decided = stream->Receive();
   ASSERT_TRUE(decided.ok()) << decided.status();
   ASSERT_EQ(decided->decisions_size(), 1);
   EXPECT_EQ(decided->decisions(0).code(), 0) << decided->decisions(0).message();
@@ -145,16 +154,12 @@ TEST_F(EngineThreadRpcTest, CloseSentAfterAStepIsAnsweredAfterThatStep) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->steps(), 1);  // the step ran before the Close
   EXPECT_EQ(client_->Inspect("s", false).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE((*stream)->Close().ok());
+  EXPECT_TRUE(stream->Close().ok());
 }
 
 TEST_F(EngineThreadRpcTest, InspectSentAfterAStepSeesThatStep) {
-  OpenSequence("s");
-  HoldEngine();
-  absl::StatusOr<std::unique_ptr<client::StepStream>> stream = client_->OpenStepStream();
-  ASSERT_TRUE(stream.ok()) << stream.status();
-  ASSERT_TRUE((*stream)->Send(FirstStep("s")).ok());
-  WaitForQueued(1);
+  std::unique_ptr<client::StepStream> stream;
+  ASSERT_NO_FATAL_FAILURE(QueueFirstStepBehindHeldEngine("s", &stream));
   std::future<absl::StatusOr<v1::SequenceState>> inspected =
       std::async(std::launch::async, [this] { return client_->Inspect("s", true); });
   WaitForQueued(2);
@@ -163,7 +168,7 @@ TEST_F(EngineThreadRpcTest, InspectSentAfterAStepSeesThatStep) {
   WaitForQueued(3);  // the list too waits on the engine, not on a gRPC thread
 
   gate_.release.Notify();
-  ASSERT_TRUE((*stream)->Receive().ok());
+  ASSERT_TRUE(stream->Receive().ok());
   const absl::StatusOr<v1::SequenceState> state = inspected.get();
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_EQ(state->last_step(), 1);
@@ -171,23 +176,19 @@ TEST_F(EngineThreadRpcTest, InspectSentAfterAStepSeesThatStep) {
   ASSERT_TRUE(sequences.ok()) << sequences.status();
   ASSERT_EQ(sequences->size(), 1u);
   EXPECT_EQ((*sequences)[0].last_step(), 1);
-  EXPECT_TRUE((*stream)->Close().ok());
+  EXPECT_TRUE(stream->Close().ok());
 }
 
 TEST_F(EngineThreadRpcTest, KvEventsSnapshotIsTakenAfterTheStepsQueuedBeforeTheWatch) {
-  OpenSequence("s");
-  HoldEngine();
-  absl::StatusOr<std::unique_ptr<client::StepStream>> stream = client_->OpenStepStream();
-  ASSERT_TRUE(stream.ok()) << stream.status();
-  ASSERT_TRUE((*stream)->Send(FirstStep("s")).ok());
-  WaitForQueued(1);
+  std::unique_ptr<client::StepStream> stream;
+  ASSERT_NO_FATAL_FAILURE(QueueFirstStepBehindHeldEngine("s", &stream));
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReader<v1::KvEvent>> watch =
       client_->stub().WatchKvEvents(&context, v1::WatchKvEventsRequest());
   WaitForQueued(2);  // the subscription waits behind the step
 
   gate_.release.Notify();
-  ASSERT_TRUE((*stream)->Receive().ok());
+  ASSERT_TRUE(stream->Receive().ok());
   v1::KvEvent event;
   ASSERT_TRUE(watch->Read(&event));
   EXPECT_TRUE(event.has_resync()) << event.DebugString();  // a fresh watch: the snapshot
@@ -199,7 +200,7 @@ TEST_F(EngineThreadRpcTest, KvEventsSnapshotIsTakenAfterTheStepsQueuedBeforeTheW
   EXPECT_TRUE(event.has_snapshot_done()) << event.DebugString();
   context.TryCancel();
   EXPECT_EQ(watch->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE((*stream)->Close().ok());
+  EXPECT_TRUE(stream->Close().ok());
 }
 
 TEST_F(EngineThreadRpcTest, FullEngineQueueRefusesWithResourceExhaustedNamingIt) {
