@@ -12,6 +12,7 @@ packages=(
   python3-torch libopenblas0-pthread python3-matplotlib
   prometheus yamllint unzip
   openssl libssl-dev
+  libucx-dev
 )
 # Helm comes from an npm package at test time (tests/deploy); npm is on the machine image,
 # Debian's package is the fallback.

@@ -354,6 +354,41 @@ absl::StatusOr<BlockLease> BlockPool::RestoreLease(const BlockLeaseState& state)
   return lease;
 }
 
+absl::StatusOr<BlockLease> BlockPool::LeaseLike(const BlockLeaseState& foreign) {
+  const int64_t tpb = layout_.tokens_per_block;
+  if (static_cast<int64_t>(foreign.blocks.size()) > capacity_blocks_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rank ", rank_, " KV pool: the lease needs ", foreign.blocks.size(),
+        " blocks; the pool has ", capacity_blocks_));
+  }
+  absl::flat_hash_map<int64_t, int32_t> index;  // foreign block -> index in its lease
+  for (size_t i = 0; i < foreign.blocks.size(); ++i) {
+    if (foreign.blocks[i] < 0 || !index.emplace(foreign.blocks[i], static_cast<int32_t>(i)).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " KV lease to copy: block ", foreign.blocks[i], " (entry ", i,
+          ") is negative or listed twice"));
+    }
+  }
+  absl::flat_hash_map<int64_t, int32_t> seen;
+  for (size_t i = 0; i < foreign.slots.size(); ++i) {
+    const int64_t slot = foreign.slots[i];
+    if (slot < 0 || !index.contains(slot / tpb) || !seen.emplace(slot, 0).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " KV lease to copy: slot ", slot, " (entry ", i,
+          ") is not in one of its blocks, or listed twice"));
+    }
+  }
+  BlockLease lease(this);
+  RETURN_IF_ERROR(TakeBlocks(static_cast<int64_t>(foreign.blocks.size()), &lease.blocks_));
+  lease.slots_.reserve(foreign.slots.size());
+  for (const int64_t slot : foreign.slots) {
+    const int32_t block = lease.blocks_[static_cast<size_t>(index.at(slot / tpb))];
+    lease.slots_.push_back(block * tpb + slot % tpb);
+  }
+  lease.RebuildFreeSlots();
+  return lease;
+}
+
 std::vector<int32_t> BlockPool::FreeBlocks() const {
   MutexLock lock(&mu_);
   return free_blocks_;

@@ -173,6 +173,12 @@ class BlockPool {
   // INVALID_ARGUMENT, nothing taken, unless its blocks are distinct, free and in the
   // pool, and its slots distinct and inside its blocks.
   absl::StatusOr<BlockLease> RestoreLease(const BlockLeaseState& state) ABSL_LOCKS_EXCLUDED(mu_);
+  // A lease shaped like `foreign` (another pool's lease, of a sequence handed off to this
+  // node): as many fresh blocks, the i-th standing for foreign.blocks[i], each token at the
+  // same offset in its block, so that whole blocks can be copied across. INVALID_ARGUMENT,
+  // nothing taken, unless foreign's blocks are distinct and its slots distinct and inside
+  // them; RESOURCE_EXHAUSTED when the pool lacks the blocks.
+  absl::StatusOr<BlockLease> LeaseLike(const BlockLeaseState& foreign) ABSL_LOCKS_EXCLUDED(mu_);
   // The free blocks in the order the pool hands them out, the next one last.
   std::vector<int32_t> FreeBlocks() const ABSL_LOCKS_EXCLUDED(mu_);
   // Hands out the free blocks listed in `order` in that order (the last first), after
@@ -186,6 +192,8 @@ class BlockPool {
   int64_t capacity_blocks() const { return capacity_blocks_; }
   // The storage: block b occupies [b * BlockBytes, (b + 1) * BlockBytes) of data().
   const KvStorage& storage() const { return *storage_; }
+  // To write blocks from elsewhere (a hand-off's K/V arriving): the caller owns them.
+  KvStorage& mutable_storage() { return *storage_; }
   void* BlockData(int32_t block) const;
   // How a worker maps this pool (shared-memory name or CUDA IPC handle bytes).
   const MemoryExport& memory_export() const { return storage_->memory_export(); }

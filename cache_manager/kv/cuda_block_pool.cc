@@ -36,6 +36,25 @@ class CudaKvStorage final : public KvStorage {
   const MemoryExport& memory_export() const override { return export_; }
   const CudaDeviceIdentity& identity() const { return identity_; }
 
+  absl::Status CopyOut(int64_t offset, void* dst, int64_t bytes) const override {
+    ScopedDevice on_device(device_);
+    RETURN_IF_ERROR(on_device.status());
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, static_cast<const char*>(data_) + offset,
+                                               static_cast<size_t>(bytes),
+                                               cudaMemcpyDeviceToHost, stream_),
+                               "copying KV blocks out of the pool"));
+    return kernels::cuda::SyncStatus(stream_, "KV copy out");
+  }
+  absl::Status CopyIn(int64_t offset, const void* src, int64_t bytes) override {
+    ScopedDevice on_device(device_);
+    RETURN_IF_ERROR(on_device.status());
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(static_cast<char*>(data_) + offset, src,
+                                               static_cast<size_t>(bytes),
+                                               cudaMemcpyHostToDevice, stream_),
+                               "copying KV blocks into the pool"));
+    return kernels::cuda::SyncStatus(stream_, "KV copy in");
+  }
+
   absl::Status MoveTokens(const kernels::KvBlockLayout& layout,
                           std::span<const kernels::KvMove> moves) override {
     if (moves.empty()) return absl::OkStatus();

@@ -98,6 +98,15 @@ class HostKvStorage final : public KvStorage {
   int64_t bytes() const override { return bytes_; }
   const MemoryExport& memory_export() const override { return export_; }
 
+  absl::Status CopyOut(int64_t offset, void* dst, int64_t bytes) const override {
+    std::memcpy(dst, static_cast<const char*>(data_) + offset, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  absl::Status CopyIn(int64_t offset, const void* src, int64_t bytes) override {
+    std::memcpy(static_cast<char*>(data_) + offset, src, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+
   absl::Status MoveTokens(const kernels::KvBlockLayout& layout,
                           std::span<const kernels::KvMove> moves) override {
     kernels::cpu::CompactKv(data_, layout, moves.data(), static_cast<int64_t>(moves.size()),

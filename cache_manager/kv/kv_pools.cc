@@ -57,9 +57,16 @@ absl::StatusOr<SequenceKv> SequenceKv::Lease(KvPools& pools, int64_t tokens,
   return kv;
 }
 
-absl::StatusOr<SequenceKv> SequenceKv::Restore(KvPools& pools,
-                                               std::span<const BlockLeaseState> states,
-                                               int64_t tokens, absl::string_view sequence_id) {
+namespace {
+
+// Each rank's lease from `states` by `make` (BlockPool::RestoreLease or LeaseLike), all or
+// none: the leases made so far go back when the vector is destroyed.
+template <typename MakeLease>
+absl::StatusOr<std::vector<BlockLease>> LeasesFromStates(KvPools& pools,
+                                                         std::span<const BlockLeaseState> states,
+                                                         int64_t tokens,
+                                                         absl::string_view sequence_id,
+                                                         MakeLease make) {
   if (static_cast<int32_t>(states.size()) != pools.ranks()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sequence '", sequence_id, "': ", states.size(), " KV leases for ", pools.ranks(),
@@ -73,13 +80,37 @@ absl::StatusOr<SequenceKv> SequenceKv::Restore(KvPools& pools,
           "sequence '", sequence_id, "': rank ", r, "'s KV lease holds ", state.slots.size(),
           " tokens, its cache ", tokens));
     }
-    absl::StatusOr<BlockLease> lease = pools.pool(r).RestoreLease(state);
-    if (!lease.ok()) {  // the leases restored so far go back when `leases` is destroyed
+    absl::StatusOr<BlockLease> lease = make(pools.pool(r), state);
+    if (!lease.ok()) {
       return absl::Status(lease.status().code(),
                           absl::StrCat("sequence '", sequence_id, "': ", lease.status().message()));
     }
     leases.push_back(*std::move(lease));
   }
+  return leases;
+}
+
+}  // namespace
+
+absl::StatusOr<SequenceKv> SequenceKv::Restore(KvPools& pools,
+                                               std::span<const BlockLeaseState> states,
+                                               int64_t tokens, absl::string_view sequence_id) {
+  ASSIGN_OR_RETURN(std::vector<BlockLease> leases,
+                   LeasesFromStates(pools, states, tokens, sequence_id,
+                                    [](BlockPool& pool, const BlockLeaseState& state) {
+                                      return pool.RestoreLease(state);
+                                    }));
+  return SequenceKv(std::move(leases), pools.pool(0).layout().tokens_per_block);
+}
+
+absl::StatusOr<SequenceKv> SequenceKv::LeaseLike(KvPools& pools,
+                                                 std::span<const BlockLeaseState> foreign,
+                                                 int64_t tokens, absl::string_view sequence_id) {
+  ASSIGN_OR_RETURN(std::vector<BlockLease> leases,
+                   LeasesFromStates(pools, foreign, tokens, sequence_id,
+                                    [](BlockPool& pool, const BlockLeaseState& state) {
+                                      return pool.LeaseLike(state);
+                                    }));
   return SequenceKv(std::move(leases), pools.pool(0).layout().tokens_per_block);
 }
 

@@ -61,6 +61,13 @@ class SequenceKv {
   static absl::StatusOr<SequenceKv> Restore(KvPools& pools, std::span<const BlockLeaseState> states,
                                             int64_t tokens, absl::string_view sequence_id);
 
+  // Leases shaped like `foreign` (another node's leases of a sequence handed off here, one
+  // per rank: BlockPool::LeaseLike), all or none. INVALID_ARGUMENT as Restore;
+  // RESOURCE_EXHAUSTED naming the rank whose pool lacks the blocks.
+  static absl::StatusOr<SequenceKv> LeaseLike(KvPools& pools,
+                                              std::span<const BlockLeaseState> foreign,
+                                              int64_t tokens, absl::string_view sequence_id);
+
   SequenceKv(SequenceKv&&) = default;
   SequenceKv& operator=(SequenceKv&&) = default;
 

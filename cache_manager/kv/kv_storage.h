@@ -54,6 +54,12 @@ class KvStorage {
   virtual int64_t bytes() const = 0;
   virtual const MemoryExport& memory_export() const = 0;
 
+  // Copies `bytes` at `offset` of the storage out to host memory `dst`, or in from host
+  // memory `src` (a hand-off's KV over gRPC), returning once complete. REQUIRES: the range
+  // lies inside the storage. Errors: INTERNAL (the device failed).
+  virtual absl::Status CopyOut(int64_t offset, void* dst, int64_t bytes) const = 0;
+  virtual absl::Status CopyIn(int64_t offset, const void* src, int64_t bytes) = 0;
+
   // Copies every layer's K and V of each move's source slot to its destination slot (the
   // layout and move contract of kernels/kv_compaction.h) and returns once the copies are
   // complete. Errors: INTERNAL (the device failed), nothing moved or partially moved;

@@ -462,4 +462,46 @@ absl::StatusOr<EngineSnapshot> ReadSnapshotFile(const std::string& path) {
   return DecodeSnapshot(bytes);
 }
 
+std::string EncodeSequenceRecord(const SequenceRecord& record) {
+  Writer payload;
+  PutSequence(payload, record);
+  const std::string body = payload.Take();
+  Writer header;
+  header.Put<uint32_t>(kSnapshotVersion);
+  header.Put<uint32_t>(Crc32c(body));
+  std::string out(kSequenceRecordMagic, sizeof(kSequenceRecordMagic));
+  out += header.Take();
+  out += body;
+  return out;
+}
+
+absl::StatusOr<SequenceRecord> DecodeSequenceRecord(absl::string_view bytes) {
+  constexpr size_t kRecordHeaderBytes = sizeof(kSequenceRecordMagic) + 4 + 4;
+  if (bytes.size() < kRecordHeaderBytes ||
+      std::memcmp(bytes.data(), kSequenceRecordMagic, sizeof(kSequenceRecordMagic)) != 0) {
+    return absl::DataLossError(absl::StrCat(
+        "sequence record: ", bytes.size(), " bytes that do not start with the magic KVCMSREC"));
+  }
+  Reader header(bytes.substr(sizeof(kSequenceRecordMagic), 8));
+  uint32_t version = 0, crc = 0;
+  RETURN_IF_ERROR(header.Get("version", &version));
+  RETURN_IF_ERROR(header.Get("checksum", &crc));
+  if (version != kSnapshotVersion) {
+    return absl::DataLossError(absl::StrCat("sequence record: version ", version,
+                                            "; this kvcached reads version ", kSnapshotVersion));
+  }
+  const absl::string_view body = bytes.substr(kRecordHeaderBytes);
+  if (const uint32_t actual = Crc32c(body); actual != crc) {
+    return absl::DataLossError(absl::StrCat("sequence record: checksum mismatch (header ", crc,
+                                            ", payload ", actual, ")"));
+  }
+  Reader r(body);
+  SequenceRecord record;
+  RETURN_IF_ERROR(GetSequence(r, &record));
+  if (r.left() != 0) {
+    return absl::DataLossError(absl::StrCat("sequence record: ", r.left(), " bytes after it"));
+  }
+  return record;
+}
+
 }  // namespace kvcm

@@ -59,6 +59,14 @@ std::string EncodeSnapshot(const EngineSnapshot& snapshot);
 // field); nothing else.
 absl::StatusOr<EngineSnapshot> DecodeSnapshot(absl::string_view bytes);
 
+// One sequence's record alone, as a hand-off carries it from daemon to daemon:
+//   magic "KVCMSREC" | u32 version (kSnapshotVersion) | u32 CRC32C of the payload | payload
+// with the payload exactly a snapshot's per-sequence entry. Decoding checks every length
+// against the bytes left, as DecodeSnapshot does: DATA_LOSS naming what is wrong.
+inline constexpr char kSequenceRecordMagic[8] = {'K', 'V', 'C', 'M', 'S', 'R', 'E', 'C'};
+std::string EncodeSequenceRecord(const SequenceRecord& record);
+absl::StatusOr<SequenceRecord> DecodeSequenceRecord(absl::string_view bytes);
+
 // Writes `snapshot` to `path` atomically: a temporary file beside it, fsynced, renamed
 // over `path`, and the directory fsynced. INTERNAL with strerror's text on failure (the
 // temporary file removed).

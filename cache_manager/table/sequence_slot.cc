@@ -157,6 +157,7 @@ absl::Status SequenceSlot::Step(int64_t step, const kernels::ScoreMatrix* scores
   if (closed_) {
     return SequenceNotOpen(sequence_->id());
   }
+  RETURN_IF_ERROR(CheckNotExportingLocked(step));
   if (tp_world_size_ != 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence '", sequence_->id(), "' has ", tp_world_size_,
@@ -173,6 +174,7 @@ absl::Status SequenceSlot::Submit(const RankReport& report, DecisionWaiter waite
   if (closed_) {
     return SequenceNotOpen(sequence_->id());
   }
+  RETURN_IF_ERROR(CheckNotExportingLocked(report.step));
   if (tp_world_size_ > 1 || report.head_count != 0) return SubmitToJoinLocked(report, waiter, now);
   // Already pooled by a single-rank worker: step in place, no copy, no join.
   if (report.rank != 0) {
@@ -393,6 +395,7 @@ SequenceInfo SequenceSlot::Close(const absl::Status& why, absl::string_view reas
   MutexLock lock(&mu_);
   if (events_ != nullptr && !closed_) events_->Closed(reason);
   closed_ = true;
+  export_id_ = 0;
   rejection_.reset();
   FinishJoinLocked(why);
   return SnapshotLocked(/*with_cache=*/false);
@@ -427,9 +430,51 @@ bool SequenceSlot::IdleSince(absl::Time cutoff) {
   // A slot whose lock is busy is being stepped right now: not idle. TryLock keeps a long
   // step from stalling the reclaimer's scan of the registry.
   if (!mu_.TryLock()) return false;
-  const bool idle = last_active_ <= cutoff;
+  const bool idle = last_active_ <= cutoff && export_id_ == 0;
   mu_.Unlock();
   return idle;
+}
+
+absl::Status SequenceSlot::CheckNotExportingLocked(int64_t step) const {
+  if (export_id_ == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "sequence '", sequence_->id(), "' step ", step, ": the sequence is being handed off "
+      "to another kvcached (export ", export_id_, "); send its steps to the daemon that "
+      "imports it, or again here if the hand-off fails"));
+}
+
+absl::StatusOr<SequenceRecord> SequenceSlot::BeginExport(uint64_t export_id) {
+  {
+    MutexLock lock(&mu_);
+    if (closed_) return SequenceNotOpen(sequence_->id());
+    if (export_id_ != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence '", sequence_->id(), "' is already being handed off (export ", export_id_,
+          ")"));
+    }
+    if (join_.arrived() > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence '", sequence_->id(), "' has a pending tensor-parallel step ",
+          sequence_->last_step() + 1, " (", join_.arrived(), " of ", tp_world_size_,
+          " ranks reported); hand it off between steps"));
+    }
+    export_id_ = export_id;
+  }
+  // Frozen: nothing changes it until EndExport, so the record taken now stays true.
+  return Record();
+}
+
+bool SequenceSlot::EndExport(uint64_t export_id) {
+  MutexLock lock(&mu_);
+  if (export_id_ != export_id) return false;
+  export_id_ = 0;
+  last_active_ = limits_.clock->Now();  // the reclaimer's idle time starts again
+  return true;
+}
+
+uint64_t SequenceSlot::export_id() const {
+  ReaderMutexLock lock(&mu_);
+  return export_id_;
 }
 
 }  // namespace kvcm

@@ -159,8 +159,19 @@ class SequenceSlot {
   void AbandonPendingStep(const absl::Status& why);
 
   // Whether nothing has used the slot since `cutoff`. A slot busy right now (its lock
-  // held) is not idle.
+  // held) or frozen for a hand-off is not idle.
   bool IdleSince(absl::Time cutoff);
+
+  // Hand-off to another daemon (docs/DISAGGREGATION.md). BeginExport freezes the sequence
+  // under `export_id` (!= 0) and returns its record: until EndExport, every step is
+  // refused with FAILED_PRECONDITION saying it is being handed off, and nothing about it
+  // changes (its KV blocks may be read). FAILED_PRECONDITION when a tensor-parallel step
+  // is pending (ranks have reported it) or another export holds it; NOT_FOUND once closed.
+  absl::StatusOr<SequenceRecord> BeginExport(uint64_t export_id);
+  // Unfreezes it when `export_id` still holds it (an abort); returns whether it did.
+  bool EndExport(uint64_t export_id);
+  // The export holding it, 0 when none.
+  uint64_t export_id() const;
 
  private:
   // A tensor-parallel step that was rejected: every rank that reports it is told once.
@@ -210,6 +221,8 @@ class SequenceSlot {
   int64_t HeldBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether `report`'s scores lie in the sequence's device memory (not the host's).
   bool InDeviceMemoryLocked(const RankReport& report) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION when the sequence is frozen for a hand-off; OK otherwise.
+  absl::Status CheckNotExportingLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Makes the bytes charged to the memory budget what the slot holds.
   void SettleBytesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -230,6 +243,7 @@ class SequenceSlot {
   EvictionDecision decision_ ABSL_GUARDED_BY(mu_);    // reused by every step
   absl::Time last_active_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t export_id_ ABSL_GUARDED_BY(mu_) = 0;  // != 0: frozen for a hand-off
 };
 
 }  // namespace kvcm

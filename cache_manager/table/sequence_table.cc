@@ -135,10 +135,11 @@ absl::StatusOr<SequenceInfo> SequenceTable::Open(std::string id,
                                                  int32_t tp_world_size,
                                                  kernels::ScoreDtype score_dtype,
                                                  absl::string_view tenant) {
-  return OpenWithKv(std::move(id), options, tp_world_size, score_dtype, nullptr, tenant);
+  return OpenWithKv(std::move(id), options, tp_world_size, score_dtype, nullptr, KvFrom::kFresh,
+                    tenant);
 }
 
-absl::StatusOr<SequenceInfo> SequenceTable::Restore(const SequenceRecord& record) {
+absl::Status SequenceTable::CheckRecord(const SequenceRecord& record) const {
   absl::StatusOr<int64_t> budget = ResolveBudget(record.options.prefill_len, record.options.budget);
   if (budget.ok() && *budget != record.budget) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -151,8 +152,66 @@ absl::StatusOr<SequenceInfo> SequenceTable::Restore(const SequenceRecord& record
         " KV leases, and this table has ",
         options_.kv_pools == nullptr ? "no KV pools" : "KV pools"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> SequenceTable::Restore(const SequenceRecord& record) {
+  RETURN_IF_ERROR(CheckRecord(record));
   return OpenWithKv(record.id, record.options, record.tp_world_size, record.score_dtype,
-                    record.kv.empty() ? nullptr : &record.kv, record.tenant);
+                    record.kv.empty() ? nullptr : &record.kv, KvFrom::kRecorded, record.tenant);
+}
+
+absl::StatusOr<SequenceTable::PendingImport> SequenceTable::PrepareImport(
+    const SequenceRecord& record) {
+  RETURN_IF_ERROR(CheckRecord(record));
+  if (!record.options.resume.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence '", record.id, "': the record carries no progress"));
+  }
+  return Build(record.id, record.options, record.tp_world_size, record.score_dtype,
+               record.kv.empty() ? nullptr : &record.kv, KvFrom::kShapedLike, record.tenant);
+}
+
+SequenceInfo SequenceTable::CommitImport(PendingImport pending) {
+  return Install(std::move(pending.reservation_), std::move(pending.slot_));
+}
+
+absl::StatusOr<SequenceRecord> SequenceTable::BeginExport(absl::string_view tenant,
+                                                          absl::string_view id,
+                                                          uint64_t export_id) {
+  const std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
+  if (slot == nullptr) return NotFound(id);
+  return slot->BeginExport(export_id);
+}
+
+absl::StatusOr<SequenceInfo> SequenceTable::CommitExport(absl::string_view tenant,
+                                                         absl::string_view id,
+                                                         uint64_t export_id) {
+  std::vector<std::pair<std::string, std::shared_ptr<SequenceSlot>>> removed;
+  {
+    const SequenceKey key(tenant, id);
+    MutexLock lock(&mu_);
+    auto it = slots_.find(key.view());
+    // The slot's export id is read under the registry lock: EndExport and Close, which
+    // change it, come only through this table.
+    if (it == slots_.end() || it->second == nullptr || it->second->export_id() != export_id) {
+      return NotFound(id);
+    }
+    if (options_.kv_events != nullptr) in_transit_.push_back(it->second);
+    removed.emplace_back(std::string(id), std::move(it->second));
+    slots_.erase(it);
+    ForgetLocked(tenant);
+  }
+  return std::move(
+      CloseRemoved(std::move(removed), "was handed off to another kvcached", "handed_off")
+          .front());
+}
+
+absl::Status SequenceTable::AbortExport(absl::string_view tenant, absl::string_view id,
+                                        uint64_t export_id) {
+  const std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
+  if (slot == nullptr || !slot->EndExport(export_id)) return NotFound(id);
+  return absl::OkStatus();
 }
 
 std::vector<SequenceRecord> SequenceTable::Records() const {
@@ -254,12 +313,21 @@ absl::StatusOr<std::unique_ptr<Sequence>> SequenceTable::BuildSequence(
 }
 
 absl::StatusOr<std::optional<SequenceKv>> SequenceTable::LeaseKv(
-    absl::string_view id, int64_t cache_size,
-    const std::vector<BlockLeaseState>* kv_state) const {
+    absl::string_view id, int64_t cache_size, const std::vector<BlockLeaseState>* kv_state,
+    KvFrom kv_from) const {
   if (options_.kv_pools == nullptr) return std::optional<SequenceKv>();
-  absl::StatusOr<SequenceKv> lease =
-      kv_state != nullptr ? SequenceKv::Restore(*options_.kv_pools, *kv_state, cache_size, id)
-                          : SequenceKv::Lease(*options_.kv_pools, cache_size, id);
+  absl::StatusOr<SequenceKv> lease;
+  switch (kv_from) {
+    case KvFrom::kFresh:
+      lease = SequenceKv::Lease(*options_.kv_pools, cache_size, id);
+      break;
+    case KvFrom::kRecorded:
+      lease = SequenceKv::Restore(*options_.kv_pools, *kv_state, cache_size, id);
+      break;
+    case KvFrom::kShapedLike:
+      lease = SequenceKv::LeaseLike(*options_.kv_pools, *kv_state, cache_size, id);
+      break;
+  }
   if (!lease.ok()) return lease.status();
   return std::optional<SequenceKv>(*std::move(lease));
 }
@@ -289,8 +357,17 @@ absl::StatusOr<SequenceInfo> SequenceTable::OpenWithKv(std::string id,
                                                        const SequenceOptions& options,
                                                        int32_t tp_world_size,
                                                        kernels::ScoreDtype score_dtype,
-                                                       const std::vector<BlockLeaseState>* kv_state,
-                                                       absl::string_view tenant) {
+                                                       const std::vector<BlockLeaseState>* kv,
+                                                       KvFrom kv_from, absl::string_view tenant) {
+  ASSIGN_OR_RETURN(PendingImport built,
+                   Build(std::move(id), options, tp_world_size, score_dtype, kv, kv_from, tenant));
+  return Install(std::move(built.reservation_), std::move(built.slot_));
+}
+
+absl::StatusOr<SequenceTable::PendingImport> SequenceTable::Build(
+    std::string id, const SequenceOptions& options, int32_t tp_world_size,
+    kernels::ScoreDtype score_dtype, const std::vector<BlockLeaseState>* kv_state,
+    KvFrom kv_from, absl::string_view tenant) {
   RETURN_IF_ERROR(CheckOpen(id, options, tp_world_size));
   const SequenceOptions engine_options = WithEngine(options);
   const kernels::KernelBackend& backend =
@@ -308,14 +385,19 @@ absl::StatusOr<SequenceInfo> SequenceTable::OpenWithKv(std::string id,
   absl::StatusOr<std::unique_ptr<Sequence>> sequence =
       BuildSequence(id, engine_options, state_bytes);
   if (!sequence.ok()) return sequence.status();
-  absl::StatusOr<std::optional<SequenceKv>> kv = LeaseKv(id, (*sequence)->cache_size(), kv_state);
+  absl::StatusOr<std::optional<SequenceKv>> kv = LeaseKv(id, (*sequence)->cache_size(), kv_state, kv_from);
   if (!kv.ok()) return kv.status();
   const SlotLimits limits{&join_budget_, reservation->budget_, options_.max_sequence_tokens,
                           options_.cross_device_joiner, clock_};
+  std::vector<BlockLeaseState> kv_here;
+  if (kv->has_value()) kv_here = (*kv)->State();
   auto slot = std::make_shared<SequenceSlot>(*std::move(sequence), tp_world_size, score_dtype,
                                              *std::move(kv), limits, state_bytes, clock_->Now(),
                                              options_.kv_events, std::string(tenant));
-  return Install(*std::move(reservation), std::move(slot));
+  reservation->bytes_ = 0;  // the slot holds them now, and gives them back when destroyed
+  PendingImport built(*std::move(reservation), std::move(slot));
+  built.kv_ = std::move(kv_here);
+  return built;
 }
 
 absl::StatusOr<SequenceInfo> SequenceTable::Close(absl::string_view id,

@@ -118,6 +118,25 @@ class SequenceKey {
 // with exactly the message of an id that is not open). The tenant is a name the server
 // authenticated; "" when it authenticates nobody.
 class SequenceTable {
+ private:
+  // An Open's hold on its id (a null slot in slots_) and on its engine state's bytes,
+  // both given back when it is destroyed unless Install made them the slot's. Move-only.
+  class OpenReservation {
+   public:
+    OpenReservation() = default;
+    OpenReservation(OpenReservation&& other) noexcept;
+    OpenReservation& operator=(OpenReservation&&) = delete;
+    ~OpenReservation();
+
+   private:
+    friend class SequenceTable;
+    SequenceTable* table_ = nullptr;  // null: nothing to give back
+    std::string tenant_;
+    std::string key_;
+    ByteBudget* budget_ = nullptr;  // the tenant's (or the daemon's) memory budget
+    int64_t bytes_ = 0;             // taken from budget_
+  };
+
  public:
   explicit SequenceTable(SequenceTableOptions options = {});
   ~SequenceTable();
@@ -148,6 +167,45 @@ class SequenceTable {
   // Every open sequence as a snapshot keeps it. Pending tensor-parallel steps are not
   // included: abandon them first (AbandonPendingSteps) so their ranks send them again.
   std::vector<SequenceRecord> Records() const;
+
+  // Hand-off, the source's side (docs/DISAGGREGATION.md). BeginExport freezes the
+  // tenant's sequence for export `export_id` (SequenceSlot::BeginExport) and returns its
+  // record; NOT_FOUND exactly as for an unknown id. CommitExport closes it (reason
+  // "handed_off") when that export still holds it, returning its last snapshot;
+  // AbortExport unfreezes it. Both NOT_FOUND
+  // when it is no longer open under that export (closed by its client, or reclaimed).
+  absl::StatusOr<SequenceRecord> BeginExport(absl::string_view tenant, absl::string_view id,
+                                             uint64_t export_id);
+  absl::StatusOr<SequenceInfo> CommitExport(absl::string_view tenant, absl::string_view id,
+                                            uint64_t export_id);
+  absl::Status AbortExport(absl::string_view tenant, absl::string_view id, uint64_t export_id);
+
+  // Hand-off, the target's side: a sequence built from another daemon's record, holding
+  // its id, its memory and (with pools) KV leases shaped like the source's
+  // (SequenceKv::LeaseLike), but not findable until CommitImport. Destroying it gives all
+  // of that back. Move-only.
+  class PendingImport {
+   public:
+    PendingImport(PendingImport&&) = default;
+    PendingImport& operator=(PendingImport&&) = delete;
+    ~PendingImport() = default;
+    // Each rank's lease here: blocks[i] stands for the record's kv[rank].blocks[i].
+    const std::vector<BlockLeaseState>& kv() const { return kv_; }
+
+   private:
+    friend class SequenceTable;
+    PendingImport(OpenReservation reservation, std::shared_ptr<SequenceSlot> slot)
+        : reservation_(std::move(reservation)), slot_(std::move(slot)) {}
+    OpenReservation reservation_;  // destroyed last: the id goes once the slot is gone
+    std::shared_ptr<SequenceSlot> slot_;
+    std::vector<BlockLeaseState> kv_;
+  };
+  // Errors: Open's (ALREADY_EXISTS for an id open here, the limits), INVALID_ARGUMENT when
+  // the record does not fit (its budget resolves differently, its leases are malformed, it
+  // has KV leases and this table no pools or the reverse).
+  absl::StatusOr<PendingImport> PrepareImport(const SequenceRecord& record);
+  // Makes the sequence findable; from here on it steps here.
+  SequenceInfo CommitImport(PendingImport pending);
 
   // Forgets a sequence and returns its last snapshot; a pending tensor-parallel step is
   // abandoned (ABORTED to its waiting ranks). NOT_FOUND when unknown.
@@ -209,12 +267,22 @@ class SequenceTable {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  // Open, with each rank's lease restored from `kv` (one per pool) instead of leased
-  // fresh when it is non-null.
+  // Where a new sequence's KV leases come from: fresh, the record's exactly (a restart),
+  // or shaped like the record's on blocks of this node (a hand-off).
+  enum class KvFrom { kFresh, kRecorded, kShapedLike };
+  // Open, with each rank's lease taken as `kv_from` says from `kv` (one per pool; null
+  // for kFresh).
   absl::StatusOr<SequenceInfo> OpenWithKv(std::string id, const SequenceOptions& options,
                                           int32_t tp_world_size, kernels::ScoreDtype score_dtype,
-                                          const std::vector<BlockLeaseState>* kv,
+                                          const std::vector<BlockLeaseState>* kv, KvFrom kv_from,
                                           absl::string_view tenant);
+  // OpenWithKv up to the install: the sequence built, holding its reservation and leases.
+  absl::StatusOr<PendingImport> Build(std::string id, const SequenceOptions& options,
+                                      int32_t tp_world_size, kernels::ScoreDtype score_dtype,
+                                      const std::vector<BlockLeaseState>* kv, KvFrom kv_from,
+                                      absl::string_view tenant);
+  // Restore's and PrepareImport's checks of a record against this table.
+  absl::Status CheckRecord(const SequenceRecord& record) const;
   // `options` with the table's engine backend when they name none.
   SequenceOptions WithEngine(const SequenceOptions& options) const;
   // What a tenant's limits count: its open (and opening) sequences, and its engine state
@@ -222,23 +290,6 @@ class SequenceTable {
   struct TenantUsage {
     int64_t sequences = 0;
     std::unique_ptr<ByteBudget> memory;
-  };
-  // An Open's hold on its id (a null slot in slots_) and on its engine state's bytes,
-  // both given back when it is destroyed unless Install made them the slot's. Move-only.
-  class OpenReservation {
-   public:
-    OpenReservation() = default;
-    OpenReservation(OpenReservation&& other) noexcept;
-    OpenReservation& operator=(OpenReservation&&) = delete;
-    ~OpenReservation();
-
-   private:
-    friend class SequenceTable;
-    SequenceTable* table_ = nullptr;  // null: nothing to give back
-    std::string tenant_;
-    std::string key_;
-    ByteBudget* budget_ = nullptr;  // the tenant's (or the daemon's) memory budget
-    int64_t bytes_ = 0;             // taken from budget_
   };
   // Open's checks of the request against the table's limits (nothing reserved yet).
   absl::Status CheckOpen(absl::string_view id, const SequenceOptions& options,
@@ -251,10 +302,10 @@ class SequenceTable {
   absl::StatusOr<std::unique_ptr<Sequence>> BuildSequence(absl::string_view id,
                                                           const SequenceOptions& engine_options,
                                                           int64_t state_bytes) const;
-  // The KV leases of a new sequence (or those `kv_state` records); none without pools.
+  // The KV leases of a new sequence, as `kv_from` says; none without pools.
   absl::StatusOr<std::optional<SequenceKv>> LeaseKv(
-      absl::string_view id, int64_t cache_size,
-      const std::vector<BlockLeaseState>* kv_state) const;
+      absl::string_view id, int64_t cache_size, const std::vector<BlockLeaseState>* kv_state,
+      KvFrom kv_from) const;
   // Makes `slot` findable in place of the reservation (after its Opened event).
   SequenceInfo Install(OpenReservation reservation, std::shared_ptr<SequenceSlot> slot)
       ABSL_LOCKS_EXCLUDED(mu_);
