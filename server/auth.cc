@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "cache_manager/base/status_macros.h"
 #include "absl/strings/strip.h"
 
 namespace kvcm::server {
@@ -44,17 +45,20 @@ absl::StatusOr<TokenSet> ParseTokens(absl::string_view text, absl::string_view p
       return absl::InvalidArgumentError(absl::StrCat("--auth_tokens_file ", path, ": line ",
                                                      line_number, ": ", why));
     };
-    if (fields.size() != 2) {
-      return malformed(absl::StrCat("expected 'token tenant', found ", fields.size(),
-                                    " field(s)"));
+    if (fields.size() != 2 && fields.size() != 3) {
+      return malformed(absl::StrCat("expected 'token tenant' or 'token tenant peer', found ",
+                                    fields.size(), " field(s)"));
+    }
+    if (fields.size() == 3 && fields[2] != "peer") {
+      return malformed("the third field, when given, must be the role 'peer'");
     }
     if (!IsTenantName(fields[1])) {
       return malformed("the tenant must be 1 to 128 printable ASCII characters");
     }
-    for (const auto& [token, tenant] : tokens) {
-      if (token == fields[0]) return malformed("this token is already on an earlier line");
+    for (const TokenEntry& entry : tokens) {
+      if (entry.token == fields[0]) return malformed("this token is already on an earlier line");
     }
-    tokens.emplace_back(std::string(fields[0]), std::string(fields[1]));
+    tokens.push_back({std::string(fields[0]), std::string(fields[1]), fields.size() == 3});
   }
   if (tokens.empty()) {
     return absl::InvalidArgumentError(
@@ -75,17 +79,30 @@ absl::StatusOr<TokenSet> ReadTokensFile(const std::string& path) {
 }
 
 absl::StatusOr<std::string> BearerTokens::TenantOf(absl::string_view authorization) const {
+  ASSIGN_OR_RETURN(const TokenEntry entry, Find(authorization));
+  return entry.tenant;
+}
+
+absl::StatusOr<TokenEntry> BearerTokens::Find(absl::string_view authorization) const {
   const absl::Status refused = absl::UnauthenticatedError(
       "this call needs a known bearer token (metadata 'authorization: Bearer <token>')");
   if (!absl::ConsumePrefix(&authorization, "Bearer ")) return refused;
   ReaderMutexLock lock(&mu_);
   // Every token is compared, so the time says nothing of which one (nearly) matched.
-  const std::string* found = nullptr;
-  for (const auto& [token, tenant] : tokens_) {
-    if (ConstantTimeEquals(token, authorization)) found = &tenant;
+  const TokenEntry* found = nullptr;
+  for (const TokenEntry& entry : tokens_) {
+    if (ConstantTimeEquals(entry.token, authorization)) found = &entry;
   }
   if (found == nullptr) return refused;
   return *found;
+}
+
+bool BearerTokens::HasPeer() const {
+  ReaderMutexLock lock(&mu_);
+  for (const TokenEntry& entry : tokens_) {
+    if (entry.peer) return true;
+  }
+  return false;
 }
 
 void BearerTokens::Replace(TokenSet tokens) {

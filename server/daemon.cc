@@ -35,6 +35,7 @@
 #include "kernels/backend_by_name.h"
 #include "server/auth.h"
 #include "server/health_service.h"
+#include "server/importer.h"
 #include "server/kvcache_service.h"
 #include "server/tcp_listener.h"
 #include "server/tls.h"
@@ -243,6 +244,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   RETURN_IF_ERROR(d->CreateEngine());
   if (snapshot.has_value()) d->RestoreSequences(*snapshot);
   d->CreateExecutor();
+  RETURN_IF_ERROR(d->CreateHandoff());
   if (options.allow_shm_scores) d->CreateScoreRegions();
   RETURN_IF_ERROR(d->ServeMetrics());
   RETURN_IF_ERROR(d->ServeGrpc());
@@ -336,6 +338,47 @@ void Daemon::RestoreSequences(const EngineSnapshot& snapshot) {
   restored_snapshot_path_ = SnapshotPath(options_);
 }
 
+absl::Status Daemon::CreateHandoff() {
+  ExportOptions exports;
+  exports.max_exports = options_.max_exports;
+  exports.lease = options_.export_lease;
+  exports_ = std::make_unique<ExportTable>(table_.get(), pools_.get(), exports);
+  if (options_.kv_transfer == "ucx" && pools_ != nullptr &&
+      pools_->pool(0).storage().space() == MemorySpace::kHost) {
+    StartUcx();
+  }
+  ASSIGN_OR_RETURN(PeerCredentials credentials, ReadPeerCredentials(options_));
+  importer_ = std::make_unique<Importer>(options_, std::move(credentials), table_.get(),
+                                         pools_.get(), executor_.get(), ucx_.get(),
+                                         metrics_.get());
+  return absl::OkStatus();
+}
+
+void Daemon::StartUcx() {
+  absl::StatusOr<std::unique_ptr<UcxTransport>> ucx = UcxTransport::Create();
+  absl::Status status = ucx.status();
+  UcxExposure exposure;
+  for (int32_t r = 0; status.ok() && r < pools_->ranks(); ++r) {
+    const KvStorage& storage = pools_->pool(r).storage();
+    absl::StatusOr<UcxMemoryKey> key = (*ucx)->Expose(storage.data(), storage.bytes());
+    status = key.status();
+    if (key.ok()) {
+      exposure.keys.push_back(*std::move(key));
+      status = (*ucx)->RegisterLocal(storage.data(), storage.bytes());
+    }
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "kvcached: UCX is not available (%s): hand-offs move K/V over gRPC\n",
+                 std::string(status.message()).c_str());
+    return;
+  }
+  exposure.worker_address = (*ucx)->worker_address();
+  std::fprintf(stderr, "kvcached: hand-offs move K/V over UCX (%s)\n",
+               (*ucx)->transports().c_str());
+  ucx_ = *std::move(ucx);
+  ucx_exposure_ = std::move(exposure);
+}
+
 void Daemon::CreateExecutor() {
   const int32_t engine_threads =
       options_.engine_threads > 0
@@ -419,7 +462,21 @@ absl::Status Daemon::ServeGrpc() {
     acceptor = builder.experimental().AddExternalConnectionAcceptor(
         grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   }
+  service_->set_importer(importer_.get());
+  PeerTrust trust{tokens_.get(), ""};
+  if (!options_.peer_ca_file.empty()) {
+    ASSIGN_OR_RETURN(PeerCredentials peer, ReadPeerCredentials(options_));
+    trust.peer_ca_pem = std::move(peer.ca_pem);
+  }
+  peer_service_ = std::make_unique<KvPeerService>(exports_.get(), pools_.get(),
+                                                  ucx_ != nullptr ? &ucx_exposure_ : nullptr,
+                                                  executor_.get(), metrics_.get(), trust);
+  int peer_port = 0;
+  if (!options_.peer_listen.empty()) {
+    builder.AddListeningPort(options_.peer_listen, credentials, &peer_port);
+  }
   builder.RegisterService(service_.get());
+  builder.RegisterService(peer_service_.get());
   builder.RegisterService(health_.get());
   ConfigureGrpcServer(&builder);
   {
@@ -440,6 +497,15 @@ absl::Status Daemon::ServeGrpc() {
     return absl::UnavailableError(absl::StrCat("cannot listen for gRPC on ", options_.listen));
   }
   grpc_address_ = WithPort(options_.listen, port);
+  if (!options_.peer_listen.empty()) {
+    if (peer_port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on --peer_listen=",
+                                                 options_.peer_listen));
+    }
+    peer_address_ = absl::StartsWith(options_.peer_listen, "unix:")
+                        ? options_.peer_listen
+                        : WithPort(options_.peer_listen, peer_port);
+  }
   return absl::OkStatus();
 }
 
@@ -557,6 +623,8 @@ void Daemon::ReclaimLoop() {
                                 created_region_budget_ ? created_region_budget_->used() : 0,
                                 table_->pending_join_bytes());
     if (options_.idle_timeout > absl::ZeroDuration()) ReclaimIdle();
+    // A target that died mid-hand-off: the source serves the sequence again.
+    metrics_->ExportsEnded(ExportResult::kExpired, exports_->AbortExpired());
     metrics_->HousekeepingPass();
   }
 }
@@ -593,6 +661,7 @@ void Daemon::Drain(absl::Duration deadline) {
     // on Shutdown; stopped first so that it adds nothing between the steps below.
     if (tcp_listener_ != nullptr) tcp_listener_->Stop();
     metrics_->SetServing(false);
+    importer_->Stop();  // queued imports are answered; running ones finish
     service_->StartDraining();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + deadline));
     server_->Wait();

@@ -16,11 +16,14 @@
 #include "absl/time/time.h"
 #include "cache_manager/base/byte_budget.h"
 #include "cache_manager/base/mutex.h"
+#include "cache_manager/handoff/exports.h"
+#include "cache_manager/kv/ucx_transfer.h"
 #include "cache_manager/kv/score_regions.h"
 #include "cache_manager/persist/snapshot.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
 #include "kernels/backend.h"
+#include "server/kv_peer_service.h"
 #include "server/metrics.h"
 #include "server/server_options.h"
 
@@ -36,6 +39,7 @@ namespace kvcm::server {
 
 class BearerTokens;
 class HealthService;
+class Importer;
 class KvCacheService;
 class TcpListener;
 
@@ -56,6 +60,8 @@ class Daemon {
   const std::string& metrics_address() const { return metrics_address_; }
   // host:port of --health_listen, bound; "" without it.
   const std::string& health_address() const { return health_address_; }
+  // host:port of --peer_listen, bound; "" without it.
+  const std::string& peer_address() const { return peer_address_; }
   // The kernel backend the sequences' engine state runs on ("cpu", "cuda", ...).
   const std::string& engine_name() const { return engine_name_; }
 
@@ -82,6 +88,12 @@ class Daemon {
   // The snapshot's sequences into the table (failures are logged, not fatal).
   void RestoreSequences(const EngineSnapshot& snapshot);
   void CreateExecutor();
+  // Hand-offs: the exports (source side), UCX over the pools (--kv_transfer=ucx; a
+  // failure to start it is logged and K/V then moves over gRPC), the importer.
+  absl::Status CreateHandoff();
+  // UCX with the pools exposed for peers' reads and registered for this node's imports;
+  // null (logged) when UCX cannot start.
+  void StartUcx();
   // With --allow_shm_scores.
   void CreateScoreRegions();
   // The Prometheus exposer, with --metrics_listen.
@@ -116,6 +128,13 @@ class Daemon {
   std::unique_ptr<CrossDeviceJoiner> cross_device_joiner_;  // before table_: its slots use it
   std::unique_ptr<SequenceTable> table_;
   std::unique_ptr<StepExecutor> executor_;
+  // Hand-offs. ucx_ after pools_ (it registers their memory, so it goes first); exports_
+  // after table_ (its destruction unfreezes sequences); importer_ after executor_.
+  std::unique_ptr<UcxTransport> ucx_;
+  UcxExposure ucx_exposure_;
+  std::unique_ptr<ExportTable> exports_;
+  std::unique_ptr<Importer> importer_;
+  std::unique_ptr<KvPeerService> peer_service_;
   // The bytes of created score regions (a child of the table's memory budget for host
   // ones); before regions_, which gives its bytes back.
   std::unique_ptr<ByteBudget> created_region_budget_;
@@ -131,6 +150,7 @@ class Daemon {
   std::unique_ptr<HealthService> plain_health_;  // with --health_listen
   std::unique_ptr<grpc::Server> health_server_;
   std::string health_address_;
+  std::string peer_address_;
   std::string grpc_address_;
   std::string metrics_address_;
   std::string engine_name_ = "cpu";

@@ -47,6 +47,7 @@
 
 namespace kvcm::server {
 
+class Importer;
 class StepStreamReactor;
 
 namespace internal {
@@ -62,7 +63,8 @@ using KvCacheServiceBase = KvCache::WithRawCallbackMethod_OpenSequence<
                         KvCache::WithRawCallbackMethod_CreateScoreRegion<
                             KvCache::WithRawCallbackMethod_UnregisterScoreRegion<
                                 KvCache::WithRawCallbackMethod_WatchKvEvents<
-                                    KvCache::Service>>>>>>>>>>>;
+                                    KvCache::WithRawCallbackMethod_ImportSequence<
+                                        KvCache::Service>>>>>>>>>>>>;
 }  // namespace internal
 
 // Parses `raw` into `out`; INVALID_ARGUMENT naming the message type when it does not
@@ -126,6 +128,15 @@ class KvCacheService final : public internal::KvCacheServiceBase {
   grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchKvEvents(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
 
+  // Raw: ImportSequenceRequest in, ImportSequenceResponse out. Runs on the importer's
+  // threads (server/importer.h), which finish the call.
+  grpc::ServerUnaryReactor* ImportSequence(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
+  // The importer ImportSequence hands its calls to (null: the RPC is refused). Set before
+  // serving; not owned.
+  void set_importer(Importer* importer) { importer_ = importer; }
+
   // Draining: new streams are refused; open ones keep being answered until their clients
   // close them (or the server's drain deadline cancels them). KV event watches end now.
   void StartDraining();
@@ -152,6 +163,7 @@ class KvCacheService final : public internal::KvCacheServiceBase {
   ScoreRegions* const regions_;
   ServerMetrics* const metrics_;
   const BearerTokens* const tokens_;
+  Importer* importer_ = nullptr;
   StepBatchProcessor processor_;
   Mutex mu_;
   int64_t open_streams_ ABSL_GUARDED_BY(mu_) = 0;

@@ -132,6 +132,30 @@ ABSL_FLAG(double, tenant_memory_share, 1.0,
           "fraction of --memory_limit_bytes one tenant's sequences may hold, in (0, 1]");
 ABSL_FLAG(std::string, listen_group, "",
           "a unix: --listen socket (mode 0660) is given to this group");
+ABSL_FLAG(std::string, kv_transfer, "ucx",
+          "how ImportSequence moves K/V blocks from the source kvcached: ucx (one-sided "
+          "reads; gRPC when the source offers no UCX) or grpc");
+ABSL_FLAG(int64_t, max_import_bytes_in_flight, int64_t{8} << 30,
+          "K/V bytes of imports in progress, all together; past it an import is refused");
+ABSL_FLAG(int32_t, import_threads, 2, "threads that run imports (each waits on the network)");
+ABSL_FLAG(int64_t, max_queued_imports, 64,
+          "imports waiting for an import thread; past it ImportSequence is refused");
+ABSL_FLAG(absl::Duration, import_timeout, absl::Seconds(60),
+          "one import's deadline, from the export to the commit");
+ABSL_FLAG(int64_t, max_exports, 256, "hand-offs of this daemon's sequences in progress at once");
+ABSL_FLAG(absl::Duration, export_lease, absl::Seconds(30),
+          "a hand-off the target has not finished by then is aborted: the sequence is "
+          "served here again");
+ABSL_FLAG(std::string, peer_listen, "",
+          "a second listen address with the same services, for the other kvcached "
+          "(host:port or unix:/path)");
+ABSL_FLAG(std::string, peer_token_file, "",
+          "a file holding the bearer token this daemon presents to a source it imports from "
+          "(a 'token tenant peer' line of the source's --auth_tokens_file)");
+ABSL_FLAG(std::string, peer_ca_file, "",
+          "PEM CA of the peers: a client certificate it issued may call KvPeer, and "
+          "imports go over TLS checked against it (needs --tls_cert_file, presented to "
+          "sources)");
 
 #ifndef KVCM_VERSION
 #define KVCM_VERSION "0.0.0"
@@ -186,6 +210,9 @@ bool WritePortFile(const std::string& path, const kvcm::server::Daemon& daemon) 
     if (!daemon.health_address().empty()) {
       out << ", \"health\": \"" << daemon.health_address() << "\"";
     }
+    if (!daemon.peer_address().empty()) {
+      out << ", \"peer\": \"" << daemon.peer_address() << "\"";
+    }
     out << "}\n";
     if (!out) return false;
   }
@@ -219,6 +246,20 @@ void ServiceFlags(kvcm::server::ServerOptions* options) {
   options->listen_group = absl::GetFlag(FLAGS_listen_group);
   options->tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   options->tenant_memory_share = absl::GetFlag(FLAGS_tenant_memory_share);
+}
+
+// The hand-off's flags (ImportSequence, KvPeer).
+void HandoffFlags(kvcm::server::ServerOptions* options) {
+  options->kv_transfer = absl::GetFlag(FLAGS_kv_transfer);
+  options->max_import_bytes_in_flight = absl::GetFlag(FLAGS_max_import_bytes_in_flight);
+  options->import_threads = absl::GetFlag(FLAGS_import_threads);
+  options->max_queued_imports = absl::GetFlag(FLAGS_max_queued_imports);
+  options->import_timeout = absl::GetFlag(FLAGS_import_timeout);
+  options->max_exports = absl::GetFlag(FLAGS_max_exports);
+  options->export_lease = absl::GetFlag(FLAGS_export_lease);
+  options->peer_listen = absl::GetFlag(FLAGS_peer_listen);
+  options->peer_token_file = absl::GetFlag(FLAGS_peer_token_file);
+  options->peer_ca_file = absl::GetFlag(FLAGS_peer_ca_file);
 }
 
 // The flags of the step path: engine threads, score regions, KV events, diagnostics.
@@ -274,6 +315,7 @@ absl::StatusOr<kvcm::server::ServerOptions> OptionsFromFlags() {
   kvcm::server::ServerOptions options;
   ServiceFlags(&options);
   StepPathFlags(&options);
+  HandoffFlags(&options);
   RETURN_IF_ERROR(PoolAndEngineFlags(&options));
   ApplyFdLimit(&options);
   return options;

@@ -13,7 +13,8 @@ namespace {
 constexpr absl::string_view kRpcNames[kRpcCount] = {
     "OpenSequence", "CloseSequence", "InspectSequence", "ListSequences",
     "Step",         "StepStream",    "DescribeKvPools", "RegisterScoreRegion",
-    "UnregisterScoreRegion", "WatchKvEvents", "CreateScoreRegion"};
+    "UnregisterScoreRegion", "WatchKvEvents", "CreateScoreRegion", "ImportSequence",
+    "ExportSequence", "ReadExportedKv", "FinishExport"};
 
 constexpr absl::string_view kCodeNames[17] = {
     "OK",       "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",
@@ -111,6 +112,18 @@ void ServerMetrics::AddProcessSeries(const BuildInfo& build) {
   auto& probes = RegisterCounters(r, "kvcache_listener_probes_total",
                                   "Self-probes of the gRPC listener, by whether it answered");
   listener_probes_ = {&probes.Add({{"result", "failed"}}), &probes.Add({{"result", "ok"}})};
+  auto& imports = RegisterCounters(r, "kvcache_imports_total",
+                                   "Sequences imported from another kvcached (ImportSequence), "
+                                   "by result");
+  imports_ = {&imports.Add({{"result", "failed"}}), &imports.Add({{"result", "ok"}})};
+  auto& import_bytes = RegisterCounters(r, "kvcache_import_kv_bytes_total",
+                                        "K/V bytes imported from other kvcached, by transport");
+  import_kv_bytes_ = {&import_bytes.Add({{"transport", "ucx"}}),
+                      &import_bytes.Add({{"transport", "grpc"}})};
+  auto& exports = RegisterCounters(r, "kvcache_exports_total",
+                                   "Hand-offs of sequences to another kvcached, by how they ended");
+  exports_ = {&exports.Add({{"result", "committed"}}), &exports.Add({{"result", "aborted"}}),
+              &exports.Add({{"result", "expired"}})};
 }
 
 void ServerMetrics::AddPolicySeries() {
@@ -132,6 +145,7 @@ void ServerMetrics::AddPolicySeries() {
     s.opened = &opened.Add({{"policy", label}});
     s.closed_client = &closed.Add({{"policy", label}, {"reason", "client"}});
     s.closed_idle = &closed.Add({{"policy", label}, {"reason", "idle_timeout"}});
+    s.closed_handed_off = &closed.Add({{"policy", label}, {"reason", "handed_off"}});
     for (int a = 0; a < 5; ++a) {
       s.steps[static_cast<size_t>(a)] =
           &steps.Add({{"policy", label}, {"aggregation", std::string(AggregationName(static_cast<Aggregation>(a)))}});
@@ -247,7 +261,17 @@ void ServerMetrics::SequenceOpened(absl::string_view preset) { Policy(preset).op
 
 void ServerMetrics::SequenceClosed(absl::string_view preset, CloseReason reason) {
   PolicySeries& s = Policy(preset);
-  (reason == CloseReason::kClient ? s.closed_client : s.closed_idle)->Increment();
+  switch (reason) {
+    case CloseReason::kClient:
+      s.closed_client->Increment();
+      break;
+    case CloseReason::kIdleTimeout:
+      s.closed_idle->Increment();
+      break;
+    case CloseReason::kHandedOff:
+      s.closed_handed_off->Increment();
+      break;
+  }
 }
 
 void ServerMetrics::StepDecided(const EvictionDecision& d, double seconds) {
@@ -319,6 +343,17 @@ void ServerMetrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
 void ServerMetrics::StreamOpened() { streams_open_->Increment(); }
 void ServerMetrics::StreamClosed() { streams_open_->Decrement(); }
 void ServerMetrics::HousekeepingPass() { housekeeping_passes_->Increment(); }
+
+void ServerMetrics::ImportDone(bool ok, absl::string_view transport, int64_t kv_bytes) {
+  imports_[ok ? 1 : 0]->Increment();
+  if (kv_bytes <= 0) return;
+  if (transport == "ucx") import_kv_bytes_[0]->Increment(static_cast<double>(kv_bytes));
+  if (transport == "grpc") import_kv_bytes_[1]->Increment(static_cast<double>(kv_bytes));
+}
+
+void ServerMetrics::ExportsEnded(ExportResult result, int64_t count) {
+  if (count > 0) exports_[static_cast<size_t>(result)]->Increment(static_cast<double>(count));
+}
 void ServerMetrics::ListenerProbe(bool ok) { listener_probes_[ok ? 1 : 0]->Increment(); }
 
 namespace {

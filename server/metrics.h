@@ -43,8 +43,12 @@ enum class Rpc : uint8_t {
   kUnregisterScoreRegion,
   kWatchKvEvents,
   kCreateScoreRegion,
+  kImportSequence,
+  kExportSequence,  // KvPeer
+  kReadExportedKv,
+  kFinishExport,
 };
-inline constexpr int kRpcCount = 11;
+inline constexpr int kRpcCount = 15;
 absl::string_view RpcName(Rpc rpc);
 
 // "INVALID_ARGUMENT", ... for the `code` label.
@@ -59,7 +63,9 @@ struct BuildInfo {
   bool nccl = false;
 };
 
-enum class CloseReason : uint8_t { kClient, kIdleTimeout };
+enum class CloseReason : uint8_t { kClient, kIdleTimeout, kHandedOff };
+// How an export (a hand-off's source side) ended.
+enum class ExportResult : uint8_t { kCommitted, kAborted, kExpired };
 
 class ServerMetrics {
  public:
@@ -90,6 +96,10 @@ class ServerMetrics {
   void HousekeepingPass();
   // One self-probe of the listener, and whether it was answered (server/health_service.h).
   void ListenerProbe(bool ok);
+  // Hand-offs: an import finished here (ok or not) with the K/V bytes it moved over
+  // `transport` ("ucx", "grpc"; nothing for "none"); exports that ended, `count` of them.
+  void ImportDone(bool ok, absl::string_view transport, int64_t kv_bytes);
+  void ExportsEnded(ExportResult result, int64_t count);
 
   // Test hook: the value of kvcache_errors_total{rpc, code}.
   double ErrorCount(Rpc rpc, absl::StatusCode code) const;
@@ -99,6 +109,7 @@ class ServerMetrics {
     prometheus::Counter* opened;
     prometheus::Counter* closed_client;
     prometheus::Counter* closed_idle;
+    prometheus::Counter* closed_handed_off;
     std::array<prometheus::Counter*, 5> steps;  // by aggregation
     prometheus::Counter* scoring;
     prometheus::Counter* skipped;
@@ -143,6 +154,9 @@ class ServerMetrics {
   prometheus::Gauge* streams_open_;
   prometheus::Counter* housekeeping_passes_;
   std::array<prometheus::Counter*, 2> listener_probes_;  // [failed, ok]
+  std::array<prometheus::Counter*, 2> imports_;           // [failed, ok]
+  std::array<prometheus::Counter*, 2> import_kv_bytes_;   // [ucx, grpc]
+  std::array<prometheus::Counter*, 3> exports_;           // by ExportResult
 };
 
 // kvcache_pool_capacity_blocks, kvcache_pool_used_blocks and kvcache_pool_block_bytes by

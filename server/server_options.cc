@@ -98,6 +98,35 @@ absl::Status ValidateTimeouts(const ServerOptions& o) {
   return absl::OkStatus();
 }
 
+// The hand-off's flags (ImportSequence and the KvPeer service).
+absl::Status ValidateHandoff(const ServerOptions& o) {
+  if (o.kv_transfer != "ucx" && o.kv_transfer != "grpc") {
+    return Refuse("--kv_transfer", absl::StrCat("'", o.kv_transfer, "'"), "it must be ucx or grpc");
+  }
+  if (o.max_import_bytes_in_flight < 1) {
+    return Refuse("--max_import_bytes_in_flight", o.max_import_bytes_in_flight, "it must be >= 1");
+  }
+  if (o.import_threads < 1 || o.import_threads > 64) {
+    return Refuse("--import_threads", o.import_threads, "it must be 1 to 64");
+  }
+  if (o.max_queued_imports < 0) {
+    return Refuse("--max_queued_imports", o.max_queued_imports, "it must be >= 0");
+  }
+  if (o.import_timeout <= absl::ZeroDuration()) {
+    return Refuse("--import_timeout", o.import_timeout, "it must be > 0");
+  }
+  if (o.max_exports < 1) return Refuse("--max_exports", o.max_exports, "it must be >= 1");
+  if (o.export_lease <= absl::ZeroDuration()) {
+    return Refuse("--export_lease", o.export_lease, "it must be > 0");
+  }
+  if (!o.peer_ca_file.empty() && o.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--peer_ca_file needs TLS: give --tls_cert_file and --tls_key_file too (peers "
+        "present certificates over TLS, and this daemon presents its own to sources)");
+  }
+  return absl::OkStatus();
+}
+
 // The flags that only make sense together with others (or with this build).
 absl::Status ValidateCombinations(const ServerOptions& o) {
 #ifndef KVCM_HAS_CUDA
@@ -131,6 +160,7 @@ absl::Status ServerOptions::Validate() const {
   RETURN_IF_ERROR(ValidateStepPath(*this));
   RETURN_IF_ERROR(ValidateObservers(*this));
   RETURN_IF_ERROR(ValidateTimeouts(*this));
+  RETURN_IF_ERROR(ValidateHandoff(*this));
   return ValidateCombinations(*this);
 }
 

@@ -138,6 +138,30 @@ struct ServerOptions {
   // A unix: listen socket is made mode 0660; with a group name it is chowned to it.
   std::string listen_group;
 
+  // Hand-off between daemons (ImportSequence, KvPeer; docs/DISAGGREGATION.md).
+  // How an import moves K/V blocks: "ucx" (one-sided reads; gRPC when the source offers
+  // no UCX or the pools are in device memory) or "grpc" (a stream from the source).
+  std::string kv_transfer = "ucx";
+  // The K/V bytes of imports in progress, all together; an import past it is refused
+  // (RESOURCE_EXHAUSTED) before anything is leased.
+  int64_t max_import_bytes_in_flight = int64_t{8} << 30;
+  // Threads that run imports (each waits on the network), and the imports queued for
+  // them (past it: RESOURCE_EXHAUSTED); one import's deadline, start to commit.
+  int32_t import_threads = 2;
+  int64_t max_queued_imports = 64;
+  absl::Duration import_timeout = absl::Seconds(60);
+  // Exports in progress at once, and how long a target has to finish one before the
+  // source serves the sequence again.
+  int64_t max_exports = 256;
+  absl::Duration export_lease = absl::Seconds(30);
+  // A second listen address with the same services, for the other daemons ("" : none).
+  std::string peer_listen;
+  // The bearer token this daemon presents to a source (a file holding it; "" : none).
+  std::string peer_token_file;
+  // PEM CA of the peers: a client certificate it issued is a peer credential (with TLS),
+  // and a source's server certificate is checked against it (imports go over TLS).
+  std::string peer_ca_file;
+
   // OK when every value is in range and the values agree with each other (and with this
   // build); else INVALID_ARGUMENT naming the flag and its value. Daemon::Start calls it
   // first.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -12,6 +13,7 @@
 #include "openssl/err.h"
 #include "openssl/pem.h"
 #include "openssl/ssl.h"
+#include "openssl/x509_vfy.h"
 
 namespace kvcm::server {
 namespace {
@@ -81,6 +83,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     ssl.pem_root_certs = *std::move(ca);
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
+  if (!options.peer_ca_file.empty()) {
+    // Peers' certificates verify too; which CA issued one is checked per KvPeer call
+    // (IssuedBy). Without a client CA, workers may still come without a certificate.
+    absl::StatusOr<std::string> peer_ca =
+        ReadPem(options.peer_ca_file, "--peer_ca_file", PemKind::kCertificate);
+    if (!peer_ca.ok()) return peer_ca.status();
+    ssl.pem_root_certs = absl::StrCat(ssl.pem_root_certs, "\n", *peer_ca);
+    if (options.tls_client_ca_file.empty()) {
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+  }
   return grpc::SslServerCredentials(ssl);
 }
 
@@ -116,6 +129,45 @@ absl::Status TlsHandshake(int fd, absl::Time deadline) {
   SSL_free(ssl);
   SSL_CTX_free(ctx);
   return status;
+}
+
+namespace {
+
+// Every certificate in `pem`, in order (empty when none parses).
+std::vector<X509*> ReadCertificates(const std::string& pem) {
+  std::vector<X509*> certs;
+  BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  if (bio == nullptr) return certs;
+  while (X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr)) certs.push_back(cert);
+  BIO_free(bio);
+  ERR_clear_error();  // the read that ended the loop
+  return certs;
+}
+
+}  // namespace
+
+bool IssuedBy(const std::string& cert_pem, const std::string& ca_pem) {
+  std::vector<X509*> chain = ReadCertificates(cert_pem);
+  std::vector<X509*> roots = ReadCertificates(ca_pem);
+  bool verified = false;
+  X509_STORE* store = X509_STORE_new();
+  STACK_OF(X509)* intermediates = sk_X509_new_null();
+  X509_STORE_CTX* context = X509_STORE_CTX_new();
+  if (!chain.empty() && !roots.empty() && store != nullptr && intermediates != nullptr &&
+      context != nullptr) {
+    for (X509* root : roots) X509_STORE_add_cert(store, root);
+    for (size_t i = 1; i < chain.size(); ++i) sk_X509_push(intermediates, chain[i]);
+    if (X509_STORE_CTX_init(context, store, chain[0], intermediates) == 1) {
+      verified = X509_verify_cert(context) == 1;
+    }
+  }
+  X509_STORE_CTX_free(context);
+  sk_X509_free(intermediates);  // the certificates are freed below
+  X509_STORE_free(store);       // drops its own references to the roots
+  for (X509* cert : chain) X509_free(cert);
+  for (X509* root : roots) X509_free(root);
+  ERR_clear_error();
+  return verified;
 }
 
 }  // namespace kvcm::server

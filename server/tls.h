@@ -21,6 +21,12 @@ namespace kvcm::server {
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options);
 
+// Whether the leaf certificate `cert_pem` (the first certificate in it; the rest are taken
+// as intermediates) chains to a certificate of `ca_pem` and is valid now: a peer kvcached's
+// client certificate checked against --peer_ca_file. False for anything that does not
+// parse.
+bool IssuedBy(const std::string& cert_pem, const std::string& ca_pem);
+
 // Completes a TLS 1.3 client handshake on connected socket `fd` (non-blocking) by
 // `deadline`, without verifying the server (it is this daemon). OK once the server's
 // Finished arrived: its accept path and TLS handshaker are alive. A TLS 1.3 client

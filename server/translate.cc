@@ -323,12 +323,11 @@ void SetMemoryExport(const MemoryExport& memory, Message* out) {
 
 }  // namespace
 
-void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
-  const kernels::KvBlockLayout& layout = pool.layout();
-  const BlockPoolUsage usage = pool.Usage();
-  const MemoryExport& memory = pool.memory_export();
-  out->set_rank(pool.rank());
-  out->set_backend(backend == KvBackend::kCuda ? v1::KV_BACKEND_CUDA : v1::KV_BACKEND_HOST);
+namespace {
+
+// A block's geometry into a message that has these fields (KvPool, KvBlockGeometry).
+template <typename Message>
+void SetGeometry(const kernels::KvBlockLayout& layout, Message* out) {
   out->set_tokens_per_block(layout.tokens_per_block);
   out->set_layers(layout.layers);
   out->set_kv_heads(layout.kv_heads);
@@ -337,9 +336,24 @@ void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
                  : layout.dtype == kernels::KvDtype::kFloat16 ? v1::SCORE_DTYPE_FLOAT16
                                                               : v1::SCORE_DTYPE_BFLOAT16);
   out->set_block_bytes(layout.BlockBytes());
+}
+
+}  // namespace
+
+void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
+  const kernels::KvBlockLayout& layout = pool.layout();
+  const BlockPoolUsage usage = pool.Usage();
+  const MemoryExport& memory = pool.memory_export();
+  out->set_rank(pool.rank());
+  out->set_backend(backend == KvBackend::kCuda ? v1::KV_BACKEND_CUDA : v1::KV_BACKEND_HOST);
+  SetGeometry(layout, out);
   out->set_capacity_blocks(usage.capacity_blocks);
   out->set_used_blocks(usage.used_blocks);
   SetMemoryExport(memory, out);
+}
+
+void ToProto(const kernels::KvBlockLayout& layout, v1::KvBlockGeometry* out) {
+  SetGeometry(layout, out);
 }
 
 void ToProto(const CreatedScoreRegion& region, v1::CreateScoreRegionResponse* out) {

@@ -48,6 +48,7 @@ void ToProto(const SequenceInfo& info, absl::Time now, v1::SequenceState* out);
 void ToProto(const EvictionDecision& decision, v1::Decision* out);
 // One pool's description for DescribeKvPools.
 void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out);
+void ToProto(const kernels::KvBlockLayout& layout, v1::KvBlockGeometry* out);
 // How the worker maps a region CreateScoreRegion made.
 void ToProto(const CreatedScoreRegion& region, v1::CreateScoreRegionResponse* out);
 

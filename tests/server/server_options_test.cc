@@ -63,6 +63,16 @@ std::vector<BadValue> BadValues() {
        [](ServerOptions& o) { o.listener_probe_interval = absl::Seconds(-2); }},
       {"--listener_probe_timeout", "0",
        [](ServerOptions& o) { o.listener_probe_timeout = absl::ZeroDuration(); }},
+      {"--kv_transfer", "'tcp'", [](ServerOptions& o) { o.kv_transfer = "tcp"; }},
+      {"--max_import_bytes_in_flight", "0",
+       [](ServerOptions& o) { o.max_import_bytes_in_flight = 0; }},
+      {"--import_threads", "0", [](ServerOptions& o) { o.import_threads = 0; }},
+      {"--import_threads", "65", [](ServerOptions& o) { o.import_threads = 65; }},
+      {"--max_queued_imports", "-1", [](ServerOptions& o) { o.max_queued_imports = -1; }},
+      {"--import_timeout", "0",
+       [](ServerOptions& o) { o.import_timeout = absl::ZeroDuration(); }},
+      {"--max_exports", "0", [](ServerOptions& o) { o.max_exports = 0; }},
+      {"--export_lease", "-1s", [](ServerOptions& o) { o.export_lease = absl::Seconds(-1); }},
   };
 }
 
@@ -116,6 +126,12 @@ TEST(ServerOptionsTest, ListenGroupNeedsAUnixListen) {
   EXPECT_THAT(options.Validate().message(), HasSubstr("--listen_group"));
   options.listen = "unix:/tmp/kvcached.sock";
   EXPECT_TRUE(options.Validate().ok()) << options.Validate();
+}
+
+TEST(ServerOptionsTest, PeerCaNeedsTls) {
+  ServerOptions options;
+  options.peer_ca_file = "peers.pem";
+  EXPECT_THAT(options.Validate().message(), HasSubstr("--peer_ca_file needs TLS"));
 }
 
 TEST(ServerOptionsTest, HealthListenRefusesAUnixAddress) {

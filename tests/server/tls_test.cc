@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "tests/server/daemon_process.h"
 #include "tests/server/daemon_test.h"
+#include "server/auth.h"
 
 namespace kvcm {
 namespace {
@@ -627,6 +628,57 @@ TEST_F(TlsTest, AUnixSocketSpeaksTlsTooAndItsProbeStaysServing) {
   EXPECT_THAT((*daemon)->Log(), Not(HasSubstr("NOT_SERVING")));
   daemon->reset();
   std::filesystem::remove_all(dir);
+}
+
+// Peers by certificate (--peer_ca_file): the target imports over TLS, checks the source's
+// server certificate against the peers' CA and presents its own as its client certificate,
+// which the source finds issued by that CA; a caller without one is no peer.
+TEST_F(TlsTest, APeerCertificateHandsASequenceOffOverTls) {
+  const Certificates& c = Certificates::Get();
+  std::vector<std::string> flags = TlsFlags(/*mtls=*/false);
+  flags.push_back("--peer_ca_file=" + c.Path("ca.pem"));
+  auto source = DaemonProcess::Start(flags);
+  auto target = DaemonProcess::Start(flags);
+  ASSERT_TRUE(source.ok() && target.ok());
+  auto at_source = ConnectTo(**source, "ca.pem");
+  auto at_target = ConnectTo(**target, "ca.pem");
+  ASSERT_TRUE(at_source.ok() && at_target.ok());
+  v1::OpenSequenceRequest open = client::OpenRequest("s", 40, -1, "inertia");
+  open.set_budget_tokens(8);
+  ASSERT_TRUE((*at_source)->Open(open).ok());
+  // A worker without a certificate is no peer.
+  {
+    auto peer = v1::KvPeer::NewStub(TlsChannel(**source, /*with_cert=*/false));
+    grpc::ClientContext context;
+    v1::ExportSequenceRequest request;
+    request.set_sequence_id("s");
+    v1::ExportSequenceResponse response;
+    EXPECT_EQ(peer->ExportSequence(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  absl::StatusOr<v1::ImportSequenceResponse> imported =
+      (*at_target)->ImportSequence("s", (*source)->grpc_address());
+  ASSERT_TRUE(imported.ok()) << imported.status() << (*target)->Log();
+  EXPECT_EQ(imported->state().cache_size(), 40);
+  EXPECT_EQ((*at_source)->Inspect("s", false).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE((*at_target)->Inspect("s", false).ok());
+}
+
+TEST(AuthTokensTest, APeerRoleIsTheOptionalThirdField) {
+  absl::StatusOr<server::TokenSet> tokens =
+      server::ParseTokens("tok-a alice\n# a comment\ntok-p peers peer\n", "tokens");
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  ASSERT_EQ(tokens->size(), 2u);
+  EXPECT_FALSE((*tokens)[0].peer);
+  EXPECT_TRUE((*tokens)[1].peer);
+  server::BearerTokens known(*tokens);
+  EXPECT_TRUE(known.HasPeer());
+  EXPECT_TRUE(known.Find("Bearer tok-p")->peer);
+  EXPECT_EQ(*known.TenantOf("Bearer tok-a"), "alice");
+  const absl::Status admin = server::ParseTokens("tok-a alice admin\n", "tokens").status();
+  EXPECT_THAT(admin.message(), HasSubstr("line 1: the third field, when given, must be the role 'peer'"));
+  EXPECT_THAT(server::ParseTokens("a b peer d\n", "tokens").status().message(),
+              HasSubstr("found 4 field(s)"));
 }
 
 }  // namespace
