@@ -242,8 +242,12 @@ absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Connect(
 }
 
 std::unique_ptr<grpc::ClientContext> KvCacheClient::UnaryContext() const {
+  return UnaryContext(options_.rpc_timeout);
+}
+
+std::unique_ptr<grpc::ClientContext> KvCacheClient::UnaryContext(absl::Duration timeout) const {
   auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   return context;
 }
 
@@ -281,6 +285,19 @@ absl::StatusOr<std::vector<v1::SequenceState>> KvCacheClient::List() {
       FromGrpc(stub_->ListSequences(UnaryContext().get(), v1::ListSequencesRequest(), &response));
   if (!status.ok()) return status;
   return std::vector<v1::SequenceState>(response.sequences().begin(), response.sequences().end());
+}
+
+absl::StatusOr<v1::ImportSequenceResponse> KvCacheClient::ImportSequence(
+    absl::string_view sequence_id, absl::string_view source, absl::Duration timeout) {
+  v1::ImportSequenceRequest request;
+  request.set_sequence_id(std::string(sequence_id));
+  request.set_source(std::string(source));
+  v1::ImportSequenceResponse response;
+  const absl::Duration limit = timeout > absl::ZeroDuration() ? timeout : options_.rpc_timeout;
+  absl::Status status =
+      FromGrpc(stub_->ImportSequence(UnaryContext(limit).get(), request, &response));
+  if (!status.ok()) return status;
+  return response;
 }
 
 absl::StatusOr<v1::DecisionBatch> KvCacheClient::Step(const v1::StepBatch& batch) {

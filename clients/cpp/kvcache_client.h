@@ -93,6 +93,18 @@ class KvCacheClient {
   absl::StatusOr<v1::SequenceStats> Close(absl::string_view sequence_id);
   absl::StatusOr<v1::SequenceState> Inspect(absl::string_view sequence_id, bool include_cache);
   absl::StatusOr<std::vector<v1::SequenceState>> List();
+  // Moves `sequence_id` from the kvcached at `source` ("host:port" or "unix:/path", as
+  // this daemon reaches it) into this one (disaggregated serving, docs/DISAGGREGATION.md):
+  // it is open here afterwards under the same id and tenant at the same step, and the
+  // response's state carries its positions and, with KV pools, each rank's slot table
+  // (kv_slots); decode on at state().last_step() + 1 against this daemon. A failed import
+  // leaves nothing here and the source serving it. Errors as the RPC's (kvcache.proto):
+  // NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, UNAVAILABLE, RESOURCE_EXHAUSTED.
+  // `timeout`: for this call (a long sequence's K/V may take longer than rpc_timeout);
+  // absl::ZeroDuration(): options.rpc_timeout.
+  absl::StatusOr<v1::ImportSequenceResponse> ImportSequence(
+      absl::string_view sequence_id, absl::string_view source,
+      absl::Duration timeout = absl::ZeroDuration());
   // The unary step, for simple clients.
   absl::StatusOr<v1::DecisionBatch> Step(const v1::StepBatch& batch);
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStepStream();
@@ -102,6 +114,7 @@ class KvCacheClient {
  private:
   KvCacheClient(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
   std::unique_ptr<grpc::ClientContext> UnaryContext() const;
+  std::unique_ptr<grpc::ClientContext> UnaryContext(absl::Duration timeout) const;
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

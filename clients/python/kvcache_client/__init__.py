@@ -17,7 +17,8 @@ Everything a worker calls is importable from here (``__all__``), by what it is f
 * policies and budgets: :class:`Policy`, ``PRESETS``, ``SCORING_PRESETS``,
   :func:`budget_tokens`
 * results: :class:`Decision`, :class:`SequenceState`, :class:`SequenceStats`,
-  :class:`KvPool`, :class:`KvChange`, :class:`CreatedScoreRegion`
+  :class:`KvPool`, :class:`KvChange`, :class:`CreatedScoreRegion`,
+  :class:`ImportedSequence` (a hand-off between daemons: docs/DISAGGREGATION.md)
 * errors: :class:`KvCacheError`, :class:`StepError`, :class:`ScoreShapeError`
 * scores: :class:`ScoreRegion` (the shared-memory transport), :class:`FoldWeights` and
   :func:`fold_scores`, :func:`encode_scores` / :func:`prepare_scores` /
@@ -37,7 +38,8 @@ from .errors import KvCacheError, ScoreShapeError, StepError
 from .fold import FoldWeights, fold_scores
 from .policy import PRESETS, SCORING_PRESETS, Policy
 from .region import ScoreRegion
-from .results import CreatedScoreRegion, Decision, KvChange, KvPool, SequenceState, SequenceStats
+from .results import (CreatedScoreRegion, Decision, ImportedSequence, KvChange, KvPool,
+                      SequenceState, SequenceStats)
 from .scores import (EncodedScores, PreparedScores, Scores, decode_scores, encode_scores,
                      prepare_scores)
 from .stream import Report, StepStream
@@ -51,6 +53,7 @@ __all__ = [
     "Policy", "PRESETS", "SCORING_PRESETS", "budget_tokens",
     # results
     "Decision", "SequenceState", "SequenceStats", "KvPool", "KvChange", "CreatedScoreRegion",
+    "ImportedSequence",
     # errors
     "KvCacheError", "StepError", "ScoreShapeError",
     # scores

@@ -20,7 +20,7 @@ from ._proto import pb
 from .errors import KvCacheError, StepError
 from .fold import FoldWeights
 from .masks import CachePositions
-from .results import Decision, SequenceState, SequenceStats
+from .results import Decision, ImportedSequence, SequenceState, SequenceStats
 from .scores import PreparedScores, ScoresLike, ScoreShapeError
 from .stream import Report, report_message
 
@@ -170,6 +170,18 @@ class SequenceBatch:
             cache=CachePositions(positions))
         self._sequences[sequence_id] = tracked
         return tracked
+
+    def import_sequence(self, sequence_id: str, source: str, *,
+                        head_count: Optional[int] = None,
+                        timeout: Optional[float] = None) -> ImportedSequence:
+        """Moves a sequence from the kvcached at ``source`` into this batch's daemon
+        (``KvCacheClient.import_sequence``) and tracks it here from the imported state:
+        its next step is the one after the source's last (docs/DISAGGREGATION.md). The
+        worker that stepped it on the source must stop (``remove`` it there): the source
+        has closed it. Raises KvCacheError as ``import_sequence`` (nothing tracked then)."""
+        imported = self._client.import_sequence(sequence_id, source, timeout=timeout)
+        self.add(sequence_id, state=imported.state, head_count=head_count)
+        return imported
 
     def remove(self, sequence_id: str) -> None:
         """Stops stepping a sequence here (it stays open on the daemon)."""

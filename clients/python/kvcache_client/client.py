@@ -12,7 +12,8 @@ from .credentials import TlsConfig, make_channel, read_token_file
 from .errors import KvCacheError
 from .policy import Policy
 from .region import ScoreRegion
-from .results import CreatedScoreRegion, Decision, KvPool, SequenceState, SequenceStats
+from .results import (CreatedScoreRegion, Decision, ImportedSequence, KvPool, SequenceState,
+                      SequenceStats)
 from .scores import normalize_dtype
 from .stream import ReportLike, StepStream, reports_to_proto
 
@@ -124,6 +125,33 @@ class KvCacheClient:
             f"InspectSequence({sequence_id!r})")
         return SequenceState.from_proto(response.state)
 
+    def import_sequence(self, sequence_id: str, source: str, *,
+                        timeout: Optional[float] = None) -> ImportedSequence:
+        """Moves an open sequence from the kvcached at ``source`` (``"host:port"`` or
+        ``"unix:/path"``, as this daemon reaches it) into this one: disaggregated serving,
+        a decode worker taking over what a prefill node stepped (docs/DISAGGREGATION.md).
+
+        The daemon pulls the sequence's engine state and K/V blocks and opens it here under
+        the same id and tenant at the same step; the source closes it once this daemon holds
+        it. Returns an :class:`ImportedSequence`: its ``state`` (positions, and each rank's
+        slot table ``kv_slots`` with KV pools), ``kv_bytes``, ``record_bytes``,
+        ``transport`` and ``seconds``. Decode on at ``state.next_step``, on this daemon.
+        ``timeout``: seconds for this call (default: the client's).
+
+        Until the import commits the source keeps serving the sequence unchanged (its steps
+        are refused while the export is in progress); a failed import leaves nothing here.
+        Raises KvCacheError: NOT_FOUND (the source has no such sequence of this tenant),
+        ALREADY_EXISTS (open here), FAILED_PRECONDITION (a pending tensor-parallel step, a
+        hand-off already under way, or the two daemons' KV pools differ), UNAVAILABLE
+        (the source cannot be reached or failed mid-transfer), RESOURCE_EXHAUSTED (this
+        daemon's import limits, sequences or pools).
+        """
+        response = self._call(
+            self._stub.ImportSequence,
+            pb.ImportSequenceRequest(sequence_id=sequence_id, source=source),
+            f"ImportSequence({sequence_id!r} from {source})", timeout=timeout)
+        return ImportedSequence.from_proto(response)
+
     def describe_kv_pools(self) -> List[KvPool]:
         """The daemon's KV block pools, one per rank (empty unless it holds pools)."""
         response = self._call(self._stub.DescribeKvPools, pb.DescribeKvPoolsRequest(),
@@ -228,9 +256,10 @@ class KvCacheClient:
                                f"kvcached at {self.address} not reachable within {timeout} s") \
                 from None
 
-    def _call(self, method: Any, request: Any, what: str) -> Any:
+    def _call(self, method: Any, request: Any, what: str, *,
+              timeout: Optional[float] = None) -> Any:
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=timeout if timeout is not None else self.timeout)
         except grpc.RpcError as error:
             raise KvCacheError.from_rpc_error(error, what) from None
 

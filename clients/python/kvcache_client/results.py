@@ -14,8 +14,8 @@ from .errors import StepError, status_code
 from .fold import FoldWeights
 from .policy import Policy
 
-__all__ = ["CreatedScoreRegion", "Decision", "KvChange", "KvPool", "SequenceState",
-           "SequenceStats"]
+__all__ = ["CreatedScoreRegion", "Decision", "ImportedSequence", "KvChange", "KvPool",
+           "SequenceState", "SequenceStats"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,37 @@ class SequenceState:
                           if message.HasField("fold_weights") else None),
             decision_encoding=encoding_from_proto(message.decision_encoding),
         )
+
+
+@dataclass(frozen=True)
+class ImportedSequence:
+    """A sequence this daemon took over from another (KvCacheClient.import_sequence).
+
+    ``state`` is the sequence as it is open here now: same id, tenant and step as at the
+    source, with ``positions`` and, with KV pools, ``kv_slots`` (per rank, this node's slot
+    of each cached token, in the order of ``positions``): the slot table a worker continues
+    from (``PooledKvCache.adopt``). The next step is ``state.next_step``.
+    """
+
+    state: SequenceState
+    kv_bytes: int      #: K/V bytes moved (whole blocks of every rank); 0 without KV pools
+    record_bytes: int  #: the engine state's bytes
+    transport: str     #: "ucx", "grpc", or "none" (no KV pools)
+    seconds: float     #: from the export's start to the commit
+
+    @property
+    def sequence_id(self) -> str:
+        return self.state.sequence_id
+
+    @property
+    def bytes_moved(self) -> int:
+        """Everything the hand-off moved between the daemons: K/V and engine state."""
+        return self.kv_bytes + self.record_bytes
+
+    @classmethod
+    def from_proto(cls, message: "pb.ImportSequenceResponse") -> "ImportedSequence":
+        return cls(SequenceState.from_proto(message.state), message.kv_bytes,
+                   message.record_bytes, message.transport, message.seconds)
 
 
 @dataclass(frozen=True)

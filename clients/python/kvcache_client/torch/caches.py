@@ -229,7 +229,9 @@ class PooledKvCache(_StepState):
 
     The daemon leased the prefill's slots at OpenSequence; :meth:`open` reads the slot
     table (``inspect(include_cache=True).kv_slots``), :meth:`load_prefill` writes the
-    prefill's K/V there. A step: ``keys, values = cache.extend(layer, k, v)`` per layer
+    prefill's K/V there. A sequence the daemon imported from another node (disaggregated
+    serving) comes with its K/V already in this pool: :meth:`adopt` takes the slot table
+    from the import's answer. A step: ``keys, values = cache.extend(layer, k, v)`` per layer
     gathers the cached tokens' K/V by slot and appends the new token's (kept aside: its slot
     comes with the decision); ``cache.apply(decision)`` drops the evicted tokens' slots,
     follows the compaction moves the daemon made (it moved the bytes; the table follows),
@@ -252,8 +254,34 @@ class PooledKvCache(_StepState):
     def open(cls, client: Any, mapping: KvPoolMapping, sequence_id: str) -> "PooledKvCache":
         """The cache of an open sequence, from the daemon's slot table for this rank."""
         state = client.inspect(sequence_id, include_cache=True)
+        return cls._from_state(mapping, state)
+
+    @classmethod
+    def adopt(cls, mapping: KvPoolMapping, imported: Any) -> "PooledKvCache":
+        """The cache of a sequence this node's daemon imported from another
+        (``client.import_sequence``, docs/DISAGGREGATION.md): ``imported`` is the
+        :class:`~kvcache_client.ImportedSequence` (or its ``state``); ``mapping`` this
+        node's pool of the worker's rank. The daemon copied the kept tokens' K/V into
+        that pool, at the slots of ``state.kv_slots``; the cache reads them there and
+        continues at the step after the source's last (``next_position``). Nothing is
+        loaded: there is no ``load_prefill`` after an adoption. ValueError when the state
+        has no slot table for this rank (the daemons hold no KV pools) or a slot lies
+        outside this pool (a mapping of another daemon)."""
+        state = getattr(imported, "state", imported)
+        cache = cls._from_state(mapping, state)
+        capacity = mapping.pool.capacity_blocks * mapping.tokens_per_block
+        outside = [s for s in cache.slots if not 0 <= s < capacity]
+        if outside:
+            raise ValueError(f"sequence {state.sequence_id!r}: slots {outside[:4]} lie outside "
+                             f"rank {mapping.rank}'s pool ({capacity} slots): map the pool of "
+                             "the daemon that imported it")
+        return cache
+
+    @classmethod
+    def _from_state(cls, mapping: KvPoolMapping, state: Any) -> "PooledKvCache":
         if mapping.rank not in state.kv_slots:
-            raise ValueError(f"sequence {sequence_id!r} has no slots on rank {mapping.rank}")
+            raise ValueError(f"sequence {state.sequence_id!r} has no slots on rank "
+                             f"{mapping.rank} (is the daemon holding KV pools?)")
         return cls(mapping, state.kv_slots[mapping.rank], state.positions,
                    next_position=state.prefill_len + state.last_step)
 
