@@ -19,6 +19,12 @@ region. Then:
 3. throughput at the longest context: full cache, full refresh, Lazy4 and Score-Free,
    end to end, with where the time goes.
 
+With --handoff, also (not by default) the disaggregated hand-off of
+docs/DISAGGREGATION.md: two daemons on loopback with the same pools; each generation decides
+step 1 on the first (the prefill node's), is imported by the second (ImportSequence) and
+decodes on there. Checks that every generation is token for token the one a single daemon
+produces, and reports the bytes moved against the prefill's whole K/V.
+
 Prints every table as it goes and writes them, with the plots, to --out and --img.
 """
 
@@ -45,6 +51,9 @@ from . import diagnostics, report, tasks
 from .daemon import REPO_ROOT, Kvcached, pool_flags, scrape
 from .model import load
 from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
+
+HANDOFF_PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o", "streaming_llm",
+                   "random")
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "weights" / "decoder.pt"
 RATIOS = (0.5, 0.8, 0.9)
@@ -186,6 +195,74 @@ def eviction_diagnostics(model, args: argparse.Namespace, samples) -> Dict[str, 
             "offline": {p: offline.get(p, {}) for p in DIAGNOSED}}
 
 
+def handoff_configs(ratio: float) -> List[Tuple[RunConfig, RunConfig]]:
+    """(single-daemon run, hand-off run) pairs: every preset with the K/V in the pools,
+    and one with the K/V in the worker's own tensors (a DenseKvCache goes on as it is)."""
+    pairs = [(RunConfig(f"{p}@{ratio}", p, ratio, track_sets=True),
+              RunConfig(f"{p}@{ratio}-handoff", p, ratio, track_sets=True, handoff=True))
+             for p in HANDOFF_PRESETS]
+    pairs.append((RunConfig(f"inertia@{ratio}-dense", "inertia", ratio, pooled=False,
+                            track_sets=True),
+                  RunConfig(f"inertia@{ratio}-dense-handoff", "inertia", ratio, pooled=False,
+                            track_sets=True, handoff=True)))
+    return pairs
+
+
+def handoff(model, args: argparse.Namespace, samples) -> Dict[str, Any]:
+    """Each generation twice: on one daemon, and handed off after step 1 from a daemon A
+    to a daemon B (both ours, same pools, on loopback). Per configuration: how many
+    generations are identical (the same tokens, and the same cached positions after every
+    step), and what the hand-off moved."""
+    cfg = model.cfg
+    ratio = args.ablation_ratio
+    flags = pool_flags(cfg.layers, cfg.kv_heads, cfg.head_dim)
+    if args.kv_transfer:
+        flags.append(f"--kv_transfer={args.kv_transfer}")
+    pairs = handoff_configs(ratio)
+    print(f"handoff: {len(samples)} samples x {len(pairs)} configurations, two daemons",
+          flush=True)
+    runs: Dict[str, Dict[str, Any]] = {}
+    with Kvcached(flags, binary=args.kvcached) as a, Kvcached(flags, binary=args.kvcached) as b, \
+            KvCacheClient(a.address, timeout=60) as ca, \
+            KvCacheClient(b.address, timeout=60) as cb, \
+            KvPoolMapping.for_rank(ca, 0) as map_a, KvPoolMapping.for_rank(cb, 0) as map_b:
+        runner = Runner(model, ca, map_a, seed=args.seed, peer=(cb, map_b))
+        block_bytes = map_a.pool.block_bytes
+        tpb = map_a.pool.tokens_per_block
+        try:
+            for index, sample in enumerate(samples):
+                pre = prefill(model, sample)
+                for single, moved in pairs:
+                    one = runner.run(single, pre, index)
+                    two = runner.run(moved, pre, index)
+                    row = runs.setdefault(single.name, {
+                        "samples": 0, "identical": 0, "kv_bytes": 0, "record_bytes": 0,
+                        "prefill_kv_bytes": 0, "seconds": 0.0, "transport": set(),
+                        "mismatches": []})
+                    row["samples"] += 1
+                    # The same tokens from the same cached sets after every step.
+                    same = one.generated == two.generated and one.sets == two.sets
+                    row["identical"] += same
+                    if not same:
+                        row["mismatches"].append(index)
+                    if two.handoff is not None:
+                        row["kv_bytes"] += two.handoff.kv_bytes
+                        row["record_bytes"] += two.handoff.record_bytes
+                        row["seconds"] += two.handoff.seconds
+                        row["transport"].add(two.handoff.transport)
+                    # What moving the whole prefill (L0 tokens' blocks) would have cost.
+                    row["prefill_kv_bytes"] += -(-sample.length // tpb) * block_bytes
+        finally:
+            runner.close()
+    for row in runs.values():
+        n = row["samples"]
+        row["transport"] = ",".join(sorted(row["transport"]))
+        for key in ("kv_bytes", "record_bytes", "prefill_kv_bytes", "seconds"):
+            row[key + "_mean"] = row.pop(key) / n
+    return {"ratio": ratio, "samples": len(samples), "runs": runs,
+            "identical": all(r["identical"] == r["samples"] for r in runs.values())}
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvcache-eval", description=__doc__.split("\n")[0])
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
@@ -205,6 +282,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "EVALUATION.md"))
     parser.add_argument("--img", default=str(REPO_ROOT / "docs" / "img"))
     parser.add_argument("--json", default=None, help="also write every number here")
+    parser.add_argument("--handoff", action="store_true",
+                        help="also run the disaggregated hand-off (two daemons, ImportSequence "
+                        "after step 1): generations identical to one daemon's, bytes moved")
+    parser.add_argument("--handoff_per_task", type=int, default=None,
+                        help="samples per task of the hand-off part (default: per_task / 4)")
+    parser.add_argument("--kv_transfer", default=None, choices=("ucx", "grpc"),
+                        help="the hand-off daemons' --kv_transfer (default: theirs)")
     parser.add_argument("--skip", default="",
                         help="comma list of parts to skip: "
                         "main,ablations,shift,diagnostics,throughput")
@@ -311,12 +395,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(report.throughput_table(results), flush=True)
         finally:
             runner.close()
+    if args.handoff:
+        t = time.perf_counter()
+        per_task = (args.handoff_per_task if args.handoff_per_task is not None
+                    else max(1, args.per_task // 4))
+        results["handoff"] = handoff(model, args, tasks.eval_set(args.seed + 17, per_task,
+                                                                 lengths))
+        results["wall"]["handoff"] = time.perf_counter() - t
+        print(report.handoff_table(results), flush=True)
     results["wall"]["total"] = time.perf_counter() - started
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     report.write(results, Path(args.out), Path(args.img))
     print(f"wrote {args.out} and {args.img}/eval_*.png in {results['wall']['total']:.0f} s",
           flush=True)
+    if "handoff" in results and not results["handoff"]["identical"]:
+        print("handoff: some generations differ from the single-daemon run (the mismatches "
+              "column names the samples)", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

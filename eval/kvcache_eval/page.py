@@ -98,6 +98,21 @@ def render(results: Dict[str, Any], images: List[str], img: Path) -> str:
         if "eval_throughput.png" in images:
             add(f"![where decode time goes]({img / 'eval_throughput.png'})\n")
         add(_throughput_notes(results))
+    if "handoff" in results:
+        h = results["handoff"]
+        add("## Disaggregated hand-off: step 1 on one daemon, the rest on another\n")
+        add(f"{h['samples']} prompts at ρ = {h['ratio']}, each generated twice: on one "
+            "daemon, and with the prefill node's daemon deciding step 1 and a second daemon "
+            "importing the sequence (ImportSequence: its engine state, and the K/V blocks of "
+            "the tokens step 1 kept, into its own pool) and deciding the rest "
+            "(docs/DISAGGREGATION.md). *identical*: generations equal token for token to "
+            "the single daemon's, with the same cached positions after every step; "
+            "*K/V moved*: the import's kv_bytes, against what moving the whole prefill's "
+            "blocks would have cost; *import ms*: from the export's "
+            "start to the commit, on loopback. The dense row keeps the K/V in the worker's "
+            "own tensors, which go on as they are across the hand-off (the daemons still "
+            "move the blocks they leased for it).\n")
+        add(report.handoff_table(results) + "\n")
     add(REPRODUCE)
     return "\n".join(parts).rstrip() + "\n"
 

@@ -133,6 +133,23 @@ def throughput_table(results: Dict[str, Any]) -> str:
                   "apply ms", "total ms/token"], rows)
 
 
+def handoff_table(results: Dict[str, Any]) -> str:
+    h = results["handoff"]
+    rows = []
+    for name, r in h["runs"].items():
+        kib = r["kv_bytes_mean"] / 1024
+        full = r["prefill_kv_bytes_mean"] / 1024
+        rows.append([name, f"{r['identical']}/{r['samples']}", r["transport"] or "-",
+                     f"{kib:.1f}", f"{full:.1f}",
+                     f"{r['kv_bytes_mean'] / r['prefill_kv_bytes_mean']:.3f}"
+                     if r["prefill_kv_bytes_mean"] else "-",
+                     f"{r['record_bytes_mean']:.0f}", f"{1000 * r['seconds_mean']:.2f}",
+                     ",".join(map(str, r["mismatches"][:8])) or "-"])
+    return table(["configuration", "identical", "transport", "K/V moved KiB",
+                  "whole prefill KiB", "moved / whole", "state bytes", "import ms",
+                  "mismatches"], rows)
+
+
 # -- verdicts ------------------------------------------------------------------------------
 
 def verdicts(results: Dict[str, Any]) -> List[str]:

@@ -12,6 +12,12 @@ cache); each configuration then decodes from a copy of it:
     decision (evictions, pool slot changes) before the next.
 
 Forced tokens (a follow-up question) are fed as decode steps like generated ones.
+
+A hand-off run (``RunConfig.handoff``, disaggregated serving: docs/DISAGGREGATION.md)
+decides step 1 on the runner's daemon (the prefill node's), then has a second daemon (the
+decode node's, ``Runner(peer=...)``) import the sequence and decides the remaining steps
+there, the pooled cache adopting the slot table the import returns; its ``Outcome.handoff``
+says what moved.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from kvcache_client import KvCacheClient, Policy
+from kvcache_client import ImportedSequence, KvCacheClient, Policy
 from kvcache_client.torch import DecodeLoop, DenseKvCache, KvPoolMapping, PooledKvCache
 
 from . import diagnostics, tasks
@@ -46,6 +52,7 @@ class RunConfig:
     capture_from: str = "query"       #: recompute from q and K, or pool the model's weights
     track_sets: bool = False          #: record the cached positions after every step
     trace: bool = False               #: record a diagnostics.SequenceTrace (folded only)
+    handoff: bool = False             #: step 1 here, the rest on the peer daemon (imported)
 
 
 @dataclass
@@ -78,6 +85,7 @@ class Outcome:
     evidence_kept: float = 1.0    #: share of the answer's source tokens cached after step 1
     sets: List[Set[int]] = field(default_factory=list)
     trace: Optional[diagnostics.SequenceTrace] = None
+    handoff: Optional[ImportedSequence] = None  #: a hand-off run: what the import moved
 
 
 def prefill(model: Decoder, sample: tasks.Sample) -> Prefilled:
@@ -113,20 +121,52 @@ class Runner:
 
     def __init__(self, model: Decoder, client: Optional[KvCacheClient],
                  mapping: Optional[KvPoolMapping], *, score_region_bytes: int = 1 << 20,
-                 seed: int = 0) -> None:
+                 seed: int = 0,
+                 peer: Optional[Tuple[KvCacheClient, Optional[KvPoolMapping]]] = None) -> None:
+        """``peer``: the decode node's daemon of hand-off runs (its client, and the mapping
+        of its KV pool for pooled runs); its pools must be shaped like ``client``'s."""
         self.model = model
         self.client = client
         self.mapping = mapping
         self.seed = seed
-        self.batch = (client.batch(score_region_bytes=score_region_bytes)
-                      if client is not None and score_region_bytes else
-                      client.batch() if client is not None else None)
-        self.inline_batch = client.batch() if client is not None else None
+        self.batch, self.inline_batch = self._batches(client, score_region_bytes)
+        self.peer_client, self.peer_mapping = peer if peer is not None else (None, None)
+        self.peer_batch, self.peer_inline_batch = self._batches(self.peer_client,
+                                                                score_region_bytes)
+
+    @staticmethod
+    def _batches(client: Optional[KvCacheClient], score_region_bytes: int) -> Tuple[Any, Any]:
+        """(the batch whose scores go through a score region, the inline one)."""
+        if client is None:
+            return None, None
+        shm = client.batch(score_region_bytes=score_region_bytes) if score_region_bytes \
+            else client.batch()
+        return shm, client.batch()
 
     def close(self) -> None:
-        for batch in (self.batch, self.inline_batch):
+        for batch in (self.batch, self.inline_batch, self.peer_batch,
+                      self.peer_inline_batch):
             if batch is not None:
                 batch.close()
+
+    def _hand_off(self, sid: str, config: RunConfig, loop: DecodeLoop,
+                  cache: Any) -> Tuple[DecodeLoop, Any, ImportedSequence]:
+        """The decode node takes ``sid`` over: its daemon imports it from ours, its batch
+        tracks it, and a pooled cache adopts the slot table of its pool (a dense cache, the
+        worker's own memory, goes on as it is). Returns the loop and cache to go on with."""
+        if self.peer_client is None:
+            raise ValueError(f"{config.name}: a hand-off run needs Runner(peer=...)")
+        batch = self.peer_batch if config.shm_scores else self.peer_inline_batch
+        imported = batch.import_sequence(sid, self.client.address)
+        loop.remove(sid)
+        loop.batch.remove(sid)  # the source closed it at the commit
+        if config.pooled:
+            if self.peer_mapping is None:
+                raise ValueError(f"{config.name}: pooled hand-off runs need the peer's mapping")
+            cache = PooledKvCache.adopt(self.peer_mapping, imported)
+        moved = DecodeLoop(batch, scorer=config.scorer)
+        moved.add(sid, cache)
+        return moved, cache, imported
 
     def run(self, config: RunConfig, pre: Prefilled, index: int = 0) -> Outcome:
         sample = pre.sample
@@ -169,6 +209,10 @@ class Runner:
         evidence_kept = 1.0
         steps = 0
         trace = None
+        loops: List[DecodeLoop] = []  # a hand-off run's first loop (its steps on the source)
+        imported: Optional[ImportedSequence] = None
+        if config.handoff and (loop is None or config.trace):
+            raise ValueError(f"{config.name}: hand-off runs go through a daemon, untraced")
         if config.trace:
             if loop is None or not config.folded:
                 raise ValueError(f"{config.name}: traces are of folded runs through a daemon")
@@ -209,17 +253,22 @@ class Runner:
                     cached = set(cache.positions)
                     evidence_kept = sum(p in cached for p in evidence) / len(evidence)
                 next_pred = int(logits.argmax())
+                if config.handoff and steps == 1:
+                    loops.append(loop)
+                    loop, cache, imported = self._hand_off(sid, config, loop, cache)
         decode_s = time.perf_counter() - start
+        if loop is not None:
+            loops.append(loop)
+        stats = {key: sum((lp.stats[key] for lp in loops), 0.0)
+                 for key in ("capture_s", "step_s", "apply_s", "scoring_steps")}
         outcome = Outcome(
             task=sample.task, length=L0,
             correct=all(a == b for a, b in zip(answers, answers_out)),
             last_correct=answers[-1] == answers_out[-1], generated=generated,
             retained=len(cache), steps=steps, decode_s=decode_s,
-            capture_s=loop.stats["capture_s"] if loop else 0.0,
-            step_s=loop.stats["step_s"] if loop else 0.0,
-            apply_s=loop.stats["apply_s"] if loop else 0.0,
-            scoring_steps=int(loop.stats["scoring_steps"]) if loop else 0,
-            evidence_kept=evidence_kept, sets=sets, trace=trace)
+            capture_s=stats["capture_s"], step_s=stats["step_s"], apply_s=stats["apply_s"],
+            scoring_steps=int(stats["scoring_steps"]),
+            evidence_kept=evidence_kept, sets=sets, trace=trace, handoff=imported)
         if sid is not None:
             loop.batch.close_sequence(sid)
         return outcome
