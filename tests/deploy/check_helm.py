@@ -4,13 +4,15 @@
   check_helm.py --helm PATH lint     helm lint --strict, defaults and every values file
   check_helm.py --helm PATH render   helm template over the matrix of tests/deploy/values,
                                      asserting on the rendered objects
-  check_helm.py --helm PATH schema   values.schema.json (and kubeVersion) reject bad values
+  check_helm.py --helm PATH schema   values.schema.json (and kubeVersion, and the templates'
+                                     comparisons) reject bad values
   check_helm.py --helm PATH flags --kvcached BIN
                                      every flag any case renders is one `kvcached --help` lists
 """
 
 import argparse
 import copy
+import difflib
 import json
 import pathlib
 import re
@@ -43,6 +45,9 @@ CASES = [
     ("minimal", "minimal.yaml", [], False),
     ("mutual TLS, tokens, state on the node", "tls-tokens-hostpath.yaml", [], False),
     ("TLS with a separate client CA, no state", "tls-client-ca.yaml", [], False),
+    ("hand-off over UCX, mTLS, peer Secrets, NetworkPolicy", "handoff.yaml", [], False),
+    ("hand-off over gRPC, Deployment, peer CA ConfigMap", "handoff-grpc.yaml", [], False),
+    ("hand-off NetworkPolicy without UCX ports", "handoff-networkpolicy.yaml", [], False),
 ]
 
 # (what, helm arguments, text the error must contain): each must make helm template fail.
@@ -78,9 +83,58 @@ REJECTIONS = [
     ("tenant memory share over one", ["--set", "daemon.tenantMemoryShare=1.5"], "daemon.tenantMemoryShare"),
     ("TLS Secret name not a DNS name", ["--set", "tls.secretName=Bad_Name"], "tls.secretName"),
     ("unknown tls key", ["--set", "tls.cert=x"], "cert"),
+    ("unknown kv transfer", ["--set", "handoff.kvTransfer=tcp"], "handoff.kvTransfer"),
+    ("kv transfer of an enabled hand-off", ["--set", "handoff.enabled=true,handoff.kvTransfer=rdma"],
+     "handoff.kvTransfer"),
+    ("peer port zero", ["--set", "handoff.port=0"], "handoff.port"),
+    ("peer port over 65535", ["--set", "handoff.port=65536"], "handoff.port"),
+    ("peer port as a string", ["--set-string", "handoff.port=50061"], "handoff.port"),
+    ("import bytes in flight zero", ["--set", "handoff.maxImportBytesInFlight=0"],
+     "handoff.maxImportBytesInFlight"),
+    ("hand-off enabled as a string", ["--set-string", "handoff.enabled=true"], "handoff.enabled"),
+    ("peer token Secret not a DNS name", ["--set", "handoff.peerToken.secretName=Peer_Token"],
+     "handoff.peerToken.secretName"),
+    ("peer token key empty", ["--set", "handoff.peerToken.secretKey="], "handoff.peerToken.secretKey"),
+    ("peer CA from a Secret and a ConfigMap",
+     ["--set", "handoff.peerCa.secretName=a,handoff.peerCa.configMapName=b"], "handoff.peerCa"),
+    ("UCX environment not UCX_", ["--set", "handoff.ucxEnv.LD_PRELOAD=x"], "handoff.ucxEnv"),
+    ("UCX port range past 65535", ["--set", "handoff.ucxTcpPortRange.end=70000"], "handoff.ucxTcpPortRange.end"),
+    ("NetworkPolicy extra peer not an object", ["--set", "handoff.networkPolicy.extraPeers[0]=all"],
+     "handoff.networkPolicy.extraPeers"),
+    ("unknown hand-off key", ["--set", "handoff.peerListen=0.0.0.0:1"], "peerListen"),
     ("Kubernetes without gRPC probes", ["--kube-version", "1.26.0"], "kubeVersion"),
 ]
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
+
+# (what, helm arguments, text the error must contain): values the schema accepts but the
+# chart's templates refuse (comparisons between values).
+HANDOFF_ON = "handoff.enabled=true"
+TEMPLATE_REJECTIONS = [
+    ("peer port equal to the gRPC port", ["--set", f"{HANDOFF_ON},handoff.port=50051"],
+     "handoff.port 50051 is also ports.grpc"),
+    ("peer port equal to the metrics port", ["--set", f"{HANDOFF_ON},handoff.port=9464"],
+     "handoff.port 9464 is also ports.metrics"),
+    ("peer port equal to the health port with TLS",
+     ["--set", f"{HANDOFF_ON},handoff.port=50052,tls.secretName=t"], "handoff.port 50052 is also ports.health"),
+    ("UCX port range with one end", ["--set", f"{HANDOFF_ON},handoff.ucxTcpPortRange.start=40000"],
+     "set both start and end"),
+    ("UCX port range reversed",
+     ["--set", f"{HANDOFF_ON},handoff.ucxTcpPortRange.start=40100,handoff.ucxTcpPortRange.end=40000"],
+     "start 40100 is above end 40000"),
+    ("UCX port range over the peer port",
+     ["--set", f"{HANDOFF_ON},handoff.ucxTcpPortRange.start=50060,handoff.ucxTcpPortRange.end=50070"],
+     "50060-50070 holds handoff.port (50061)"),
+    ("UCX port range set twice",
+     ["--set", f"{HANDOFF_ON},handoff.ucxTcpPortRange.start=40000,handoff.ucxTcpPortRange.end=40100,"
+      "handoff.ucxEnv.UCX_TCP_PORT_RANGE=1-2"], "set one of them"),
+]
+
+# Hand-off values that must leave no trace while handoff.enabled is false.
+HANDOFF_DISABLED = ["--set", "handoff.port=7100,handoff.kvTransfer=grpc,handoff.maxImportBytesInFlight=1024,"
+                    "handoff.peerToken.secretName=p,handoff.peerCa.configMapName=c,handoff.ucxEnv.UCX_TLS=tcp,"
+                    "handoff.ucxTcpPortRange.start=40000,handoff.ucxTcpPortRange.end=40100,"
+                    "handoff.networkPolicy.enabled=true"]
+PEER_TOKEN_DIR, PEER_CA_DIR = "/etc/kvcached/peer-token", "/etc/kvcached/peer-ca"
 
 
 def helm(args, binary):
@@ -139,7 +193,116 @@ def expected_args(v):
         args.append("--auth_tokens_file=/etc/kvcached/auth/tokens")
     if keeps_state(v):
         args.append("--state_dir=/var/lib/kvcached")
+    h = v["handoff"]
+    if h["enabled"]:
+        args += [f"--peer_listen=0.0.0.0:{h['port']}", f"--kv_transfer={h['kvTransfer']}"]
+        if h.get("maxImportBytesInFlight") is not None:
+            args.append(f"--max_import_bytes_in_flight={h['maxImportBytesInFlight']}")
+        if h["peerToken"]["secretName"]:
+            args.append(f"--peer_token_file={PEER_TOKEN_DIR}/token")
+        if h["peerCa"]["secretName"] or h["peerCa"]["configMapName"]:
+            args.append(f"--peer_ca_file={PEER_CA_DIR}/ca.crt")
     return args + list(d.get("extraArgs", []))
+
+
+def ucx_port_range(h):
+    r = h.get("ucxTcpPortRange") or {}
+    return (r["start"], r["end"]) if r.get("start") is not None and r.get("end") is not None else None
+
+
+def check_handoff(expect, v, c, pod, pod_labels, by_kind):
+    """The hand-off: the peer port on the container and the Service, the peer token and CA
+    mounted where their flags point, the UCX environment, the NetworkPolicy; and no trace
+    of any of it while handoff.enabled is false."""
+    h = v["handoff"]
+    ports = {p["name"]: p for p in c.get("ports", [])}
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    vols = {x["name"]: x for x in pod.get("volumes", [])}
+    env = [e["name"] for e in c.get("env", [])]
+    svc_ports = {p["name"]: p for s in by_kind.get("Service", []) for p in s["spec"]["ports"]}
+    policies = by_kind.get("NetworkPolicy", [])
+    if not h["enabled"]:
+        expect("peer" not in ports and "peer" not in svc_ports, "a peer port without handoff.enabled")
+        expect(not {PEER_TOKEN_DIR, PEER_CA_DIR} & set(mounts), "peer Secrets mounted without handoff.enabled")
+        expect(not [n for n in env if n.startswith("UCX_")], "UCX environment without handoff.enabled")
+        expect(not policies, "a NetworkPolicy without handoff.enabled")
+        return
+    p = ports.get("peer", {})
+    expect(p.get("containerPort") == h["port"] and p.get("protocol") == "TCP",
+           f"container port peer must be TCP {h['port']}, got {p}")
+    expect("hostPort" not in p, "the peer port must not be bound on the node")
+    if v["service"]["enabled"]:
+        sp = svc_ports.get("peer", {})
+        expect(sp.get("port") == h["port"] and sp.get("targetPort") == "peer", f"Service port peer: {sp}")
+
+    def mounted(path, source_kind, name, key):
+        m = mounts.get(path)
+        if not expect(m is not None, f"nothing mounted at {path}"):
+            return
+        expect(m.get("readOnly") is True, f"{path} must be mounted read-only")
+        vol = vols.get(m["name"], {})
+        src = vol.get(source_kind)
+        if not expect(src is not None, f"{path} must come from a {source_kind}, got {vol}"):
+            return
+        got = src.get("secretName" if source_kind == "secret" else "name")
+        expect(got == name, f"{path}: {source_kind} {got!r} != {name!r}")
+        file = "token" if path == PEER_TOKEN_DIR else "ca.crt"
+        expect(src.get("items") == [{"key": key, "path": file}], f"{path}: items {src.get('items')}")
+        expect(src.get("defaultMode") == 0o440, f"{path}: files must be mode 0440")
+
+    tok, ca = h["peerToken"], h["peerCa"]
+    if tok["secretName"]:
+        mounted(PEER_TOKEN_DIR, "secret", tok["secretName"], tok["secretKey"])
+    else:
+        expect(PEER_TOKEN_DIR not in mounts, "a peer token mounted without handoff.peerToken.secretName")
+    if ca["secretName"]:
+        mounted(PEER_CA_DIR, "secret", ca["secretName"], ca["key"])
+    elif ca["configMapName"]:
+        mounted(PEER_CA_DIR, "configMap", ca["configMapName"], ca["key"])
+    else:
+        expect(PEER_CA_DIR not in mounts, "a peer CA mounted without handoff.peerCa")
+
+    want_env = {k: str(x) for k, x in (h.get("ucxEnv") or {}).items()}
+    span = ucx_port_range(h)
+    if span:
+        want_env["UCX_TCP_PORT_RANGE"] = f"{span[0]}-{span[1]}"
+    got_env = {e["name"]: e.get("value") for e in c.get("env", []) if e["name"].startswith("UCX_")}
+    expect(got_env == want_env, f"UCX environment {got_env} != {want_env}")
+    expect(len(env) == len(set(env)), f"duplicate environment variables {env}")
+
+    if not expect(len(policies) == (1 if h["networkPolicy"]["enabled"] else 0), f"{len(policies)} NetworkPolicies"):
+        return
+    if policies:
+        check_network_policy(expect, v, policies[0], pod_labels)
+
+
+def check_network_policy(expect, v, np, pod_labels):
+    """The policy selects the daemons, keeps their other ports open to every source, and
+    lets only this chart's daemons (and extraPeers) reach the peer port and UCX's ports."""
+    h, spec = v["handoff"], np["spec"]
+    expect(np["apiVersion"] == "networking.k8s.io/v1", "NetworkPolicy must be networking.k8s.io/v1")
+    expect(subset(spec["podSelector"]["matchLabels"], pod_labels), "NetworkPolicy does not select the pods")
+    expect(spec.get("policyTypes") == ["Ingress"], "NetworkPolicy must restrict ingress only")
+    rules = spec.get("ingress", [])
+    open_rules = [r for r in rules if "from" not in r]
+    peer_rules = [r for r in rules if "from" in r]
+    if not expect(len(open_rules) == 1 and len(peer_rules) == 1, f"ingress rules {rules}"):
+        return
+    open_ports = {p["port"] for p in open_rules[0]["ports"]}
+    want_open = {"grpc", "metrics"} | ({"health"} if v["tls"]["secretName"] else set())
+    expect(open_ports == want_open, f"ports open to every source {open_ports} != {want_open}")
+    peer = peer_rules[0]
+    want_ports = [{"port": "peer", "protocol": "TCP"}]
+    span = ucx_port_range(h)
+    if span:
+        want_ports.append({"port": span[0], "endPort": span[1], "protocol": "TCP"})
+    expect(peer["ports"] == want_ports, f"peer rule ports {peer['ports']} != {want_ports}")
+    chart_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvcache-manager",
+                                                  "app.kubernetes.io/component": "kvcached"}}}
+    want_from = [chart_pods] + list(h["networkPolicy"].get("extraPeers") or [])
+    expect(peer["from"] == want_from, f"peer rule sources {peer['from']} != {want_from}")
+    expect(subset(chart_pods["podSelector"]["matchLabels"], pod_labels),
+           "the chart's own pods are not among the peer sources")
 
 
 def keeps_state(v):
@@ -288,6 +451,7 @@ def check_render(name, objs, text, v, api, f):
     vols = {x["name"]: x for x in pod.get("volumes", [])}
     expect("/tmp" in mounts and "emptyDir" in vols.get(mounts.get("/tmp"), {}), "/tmp must be an emptyDir")
     check_secrets_and_state(expect, v, c, pod)
+    check_handoff(expect, v, c, pod, pod_labels, by_kind)
 
     # GPUs: nvidia.com/gpu only on the cuda backend with a GPU count.
     res = c.get("resources", {})
@@ -399,7 +563,17 @@ def run_render(args, f):
         check_render(name, objs, r.stdout, v, api, f)
         kinds = ", ".join(sorted(o["kind"] for o in objs))
         print(f"render {name}: {'ok' if len(f.items) == before else 'FAILED'} ({kinds})")
+    base = ["template", RELEASE, str(dl.CHART), "--namespace", NAMESPACE]
+    plain, disabled = helm(base, args.helm), helm(base + HANDOFF_DISABLED, args.helm)
+    same = plain.returncode == 0 and disabled.returncode == 0 and plain.stdout == disabled.stdout
+    f.check(same, "hand-off values change the render while handoff.enabled is false:\n"
+            f"{disabled.stderr}{''.join(render_diff(plain.stdout, disabled.stdout))}")
+    print(f"render hand-off disabled leaves no trace: {'ok' if same else 'FAILED'}")
     f.exit("helm template matrix")
+
+
+def render_diff(a, b):
+    return list(difflib.unified_diff(a.splitlines(True), b.splitlines(True), "defaults", "hand-off disabled"))[:40]
 
 
 def run_schema(args, f):
@@ -411,6 +585,13 @@ def run_schema(args, f):
         if not f.check(r.returncode != 0, f"{what} ({' '.join(extra)}) was accepted"):
             continue
         ok = needle in r.stderr and (SCHEMA_ERROR in r.stderr or needle == "kubeVersion")
+        f.check(ok, f"{what} ({' '.join(extra)}) failed for another reason:\n{r.stderr.strip()}")
+        print(f"rejects {what}: {'ok' if ok else 'FAILED'}")
+    for what, extra, needle in TEMPLATE_REJECTIONS:
+        r = helm(base + extra, args.helm)
+        if not f.check(r.returncode != 0, f"{what} ({' '.join(extra)}) was accepted"):
+            continue
+        ok = needle in r.stderr and SCHEMA_ERROR not in r.stderr
         f.check(ok, f"{what} ({' '.join(extra)}) failed for another reason:\n{r.stderr.strip()}")
         print(f"rejects {what}: {'ok' if ok else 'FAILED'}")
     f.exit("values.schema.json rejections")

@@ -121,6 +121,20 @@ app.kubernetes.io/part-of: kvcache-manager
 {{- if include "kvcache-manager.keepsState" . }}
 - --state_dir=/var/lib/kvcached
 {{- end }}
+{{- if include "kvcache-manager.handoff" . }}
+{{- $h := .Values.handoff }}
+- --peer_listen=0.0.0.0:{{ $h.port }}
+- --kv_transfer={{ $h.kvTransfer }}
+{{- if not (kindIs "invalid" $h.maxImportBytesInFlight) }}
+- --max_import_bytes_in_flight={{ int64 $h.maxImportBytesInFlight }}
+{{- end }}
+{{- if $h.peerToken.secretName }}
+- --peer_token_file=/etc/kvcached/peer-token/token
+{{- end }}
+{{- if include "kvcache-manager.peerCaSource" . }}
+- --peer_ca_file=/etc/kvcached/peer-ca/ca.crt
+{{- end }}
+{{- end }}
 {{- range $d.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -136,4 +150,57 @@ survive the process, so kvcached refuses --state_dir with cuda or private pools.
 {{- define "kvcache-manager.keepsState" -}}
 {{- $d := .Values.daemon }}
 {{- if and .Values.state.enabled (ne $d.backend "cuda") (ne (toString $d.kvSharedMemory) "false") }}true{{ end }}
+{{- end }}
+
+{{/* True when the daemon serves the disaggregated hand-off (KvPeer on the peer port). */}}
+{{- define "kvcache-manager.handoff" -}}
+{{- with .Values.handoff }}{{ if .enabled }}true{{ end }}{{ end }}
+{{- end }}
+
+{{/* Where the peer CA comes from: secret, configMap, or "" for none. */}}
+{{- define "kvcache-manager.peerCaSource" -}}
+{{- with .Values.handoff.peerCa }}
+{{- if .secretName }}secret{{ else if .configMapName }}configMap{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* UCX_TCP_PORT_RANGE ("start-end") when handoff.ucxTcpPortRange sets both ends, else "". */}}
+{{- define "kvcache-manager.ucxTcpPortRange" -}}
+{{- with .Values.handoff.ucxTcpPortRange }}
+{{- if and (not (kindIs "invalid" .start)) (not (kindIs "invalid" .end)) }}
+{{- printf "%d-%d" (int64 .start) (int64 .end) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Refuses hand-off values the schema cannot compare: ports that collide, a half or
+reversed UCX port range, UCX_TCP_PORT_RANGE set twice. Renders nothing. */}}
+{{- define "kvcache-manager.validateHandoff" -}}
+{{- if include "kvcache-manager.handoff" . }}
+{{- $h := .Values.handoff }}
+{{- $taken := dict (toString .Values.ports.grpc) "ports.grpc" (toString .Values.ports.metrics) "ports.metrics" }}
+{{- if .Values.tls.secretName }}
+{{- $_ := set $taken (toString .Values.ports.health) "ports.health" }}
+{{- end }}
+{{- with get $taken (toString $h.port) }}
+{{- fail (printf "handoff.port %v is also %s: the peer port needs its own" $h.port .) }}
+{{- end }}
+{{- $r := default dict $h.ucxTcpPortRange }}
+{{- if ne (kindIs "invalid" $r.start) (kindIs "invalid" $r.end) }}
+{{- fail "handoff.ucxTcpPortRange: set both start and end, or neither" }}
+{{- end }}
+{{- with $range := include "kvcache-manager.ucxTcpPortRange" . }}
+{{- if gt (int64 $r.start) (int64 $r.end) }}
+{{- fail (printf "handoff.ucxTcpPortRange: start %v is above end %v" $r.start $r.end) }}
+{{- end }}
+{{- range $port, $what := set $taken (toString $h.port) "handoff.port" }}
+{{- if and (ge (int64 $port) (int64 $r.start)) (le (int64 $port) (int64 $r.end)) }}
+{{- fail (printf "handoff.ucxTcpPortRange %s holds %s (%s)" $range $what $port) }}
+{{- end }}
+{{- end }}
+{{- if hasKey (default dict $h.ucxEnv) "UCX_TCP_PORT_RANGE" }}
+{{- fail "handoff.ucxEnv.UCX_TCP_PORT_RANGE and handoff.ucxTcpPortRange: set one of them" }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
