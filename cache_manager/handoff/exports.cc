@@ -34,19 +34,20 @@ absl::StatusOr<ExportTicket> ExportTable::Begin(absl::string_view tenant, absl::
     ++starting_;
     export_id = next_id_++;
   }
-  absl::StatusOr<SequenceRecord> record = table_->BeginExport(tenant, id, export_id);
+  absl::StatusOr<SequenceTable::Exported> exported = table_->BeginExport(tenant, id, export_id);
   ExportTicket ticket;
   Export entry;
-  if (record.ok()) {
+  if (exported.ok()) {
     ticket.export_id = export_id;
-    ticket.record = EncodeSequenceRecord(*record);
-    for (const BlockLeaseState& lease : record->kv) ticket.blocks.push_back(lease.blocks);
+    ticket.record = EncodeSequenceRecord(exported->record);
+    for (const BlockLeaseState& lease : exported->record.kv) ticket.blocks.push_back(lease.blocks);
     ticket.deadline = clock_->Now() + options_.lease;
-    entry = Export{std::string(tenant), std::string(id), ticket.blocks, ticket.deadline};
+    entry = Export{std::string(tenant), std::string(id), ticket.blocks, ticket.deadline,
+                   std::move(exported->pin)};
   }
   MutexLock lock(&mu_);
   --starting_;
-  if (!record.ok()) return record.status();
+  if (!exported.ok()) return exported.status();
   exports_.emplace(export_id, std::move(entry));
   return ticket;
 }

@@ -11,12 +11,14 @@
 //
 // Thread-safe. Reads of an export's blocks (CopyBlocks) hold the table's lock shared, and
 // Finish and AbortExpired hold it exclusively: once an export is finished no read of its
-// blocks is in progress, so blocks the closed sequence gives back are never read for it.
+// blocks is in progress. Until then the export holds the sequence's slot, so its blocks
+// stay leased to it even when its client closes it meanwhile (the commit then fails).
 #ifndef KVCM_CACHE_MANAGER_HANDOFF_EXPORTS_H_
 #define KVCM_CACHE_MANAGER_HANDOFF_EXPORTS_H_
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -96,6 +98,8 @@ class ExportTable {
     std::string id;
     std::vector<std::vector<int32_t>> blocks;
     absl::Time deadline;
+    // The sequence's slot, so that its blocks stay its own while they may be read.
+    std::shared_ptr<const SequenceSlot> pin;
   };
   // Remembers how export `export_id` ended (bounded: the oldest is forgotten).
   void RememberLocked(uint64_t export_id, bool committed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

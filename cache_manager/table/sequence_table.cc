@@ -176,12 +176,13 @@ SequenceInfo SequenceTable::CommitImport(PendingImport pending) {
   return Install(std::move(pending.reservation_), std::move(pending.slot_));
 }
 
-absl::StatusOr<SequenceRecord> SequenceTable::BeginExport(absl::string_view tenant,
-                                                          absl::string_view id,
-                                                          uint64_t export_id) {
-  const std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
+absl::StatusOr<SequenceTable::Exported> SequenceTable::BeginExport(absl::string_view tenant,
+                                                                   absl::string_view id,
+                                                                   uint64_t export_id) {
+  std::shared_ptr<SequenceSlot> slot = Find(tenant, id);
   if (slot == nullptr) return NotFound(id);
-  return slot->BeginExport(export_id);
+  ASSIGN_OR_RETURN(SequenceRecord record, slot->BeginExport(export_id));
+  return Exported{std::move(record), std::move(slot)};
 }
 
 absl::StatusOr<SequenceInfo> SequenceTable::CommitExport(absl::string_view tenant,

@@ -174,8 +174,15 @@ class SequenceTable {
   // "handed_off") when that export still holds it, returning its last snapshot;
   // AbortExport unfreezes it. Both NOT_FOUND
   // when it is no longer open under that export (closed by its client, or reclaimed).
-  absl::StatusOr<SequenceRecord> BeginExport(absl::string_view tenant, absl::string_view id,
-                                             uint64_t export_id);
+  struct Exported {
+    SequenceRecord record;
+    // Keeps the sequence's engine state and KV leases alive until the export is finished,
+    // even if its client closes it meanwhile: the blocks an export reads are never handed
+    // to another sequence while it reads them.
+    std::shared_ptr<const SequenceSlot> pin;
+  };
+  absl::StatusOr<Exported> BeginExport(absl::string_view tenant, absl::string_view id,
+                                       uint64_t export_id);
   absl::StatusOr<SequenceInfo> CommitExport(absl::string_view tenant, absl::string_view id,
                                             uint64_t export_id);
   absl::Status AbortExport(absl::string_view tenant, absl::string_view id, uint64_t export_id);

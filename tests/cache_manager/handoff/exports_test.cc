@@ -135,6 +135,26 @@ TEST_F(ExportTest, BlocksAreReadWholeAndOnlyInsideTheExport) {
   EXPECT_TRUE(absl::IsNotFound(exports_.CopyBlocks(ticket->export_id, 0, 0, 1, &out)));
 }
 
+// A client's close wins over an export in progress, but the blocks stay the sequence's
+// until the export ends: a peer reading them never reads another sequence's K/V.
+TEST_F(ExportTest, ACloseDuringAnExportKeepsItsBlocksUntilTheExportEnds) {
+  OpenAndStep("s", 1);
+  absl::StatusOr<ExportTicket> ticket = exports_.Begin("", "s");
+  ASSERT_TRUE(ticket.ok());
+  const int64_t held = pools_->pool(0).Usage().used_blocks;
+  ASSERT_GT(held, 0);
+  ASSERT_TRUE(table_.Close("s").ok());
+  EXPECT_EQ(pools_->pool(0).Usage().used_blocks, held) << "the export pins them";
+  ASSERT_TRUE(table_.Open("other", Options(40, 10)).ok());  // takes other blocks meanwhile
+  std::string out;
+  EXPECT_TRUE(exports_.CopyBlocks(ticket->export_id, 0, 0, 1, &out).ok());
+  const absl::Status commit = exports_.Finish(ticket->export_id, true).status();
+  EXPECT_TRUE(absl::IsNotFound(commit)) << commit;
+  EXPECT_THAT(commit.message(), HasSubstr("closed at the source"));
+  ASSERT_TRUE(table_.Close("other").ok());
+  EXPECT_EQ(pools_->pool(0).Usage().used_blocks, 0);
+}
+
 TEST_F(ExportTest, ExportsAreBoundedAndExpireIntoServingAgain) {
   OpenAndStep("a", 0);
   OpenAndStep("b", 0);
