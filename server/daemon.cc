@@ -355,28 +355,15 @@ absl::Status Daemon::CreateHandoff() {
 }
 
 void Daemon::StartUcx() {
-  absl::StatusOr<std::unique_ptr<UcxTransport>> ucx = UcxTransport::Create();
-  absl::Status status = ucx.status();
-  UcxExposure exposure;
-  for (int32_t r = 0; status.ok() && r < pools_->ranks(); ++r) {
-    const KvStorage& storage = pools_->pool(r).storage();
-    absl::StatusOr<UcxMemoryKey> key = (*ucx)->Expose(storage.data(), storage.bytes());
-    status = key.status();
-    if (key.ok()) {
-      exposure.keys.push_back(*std::move(key));
-      status = (*ucx)->RegisterLocal(storage.data(), storage.bytes());
-    }
-  }
-  if (!status.ok()) {
+  absl::StatusOr<std::unique_ptr<UcxSidecar>> ucx = UcxSidecar::Start(*pools_, "/proc/self/exe");
+  if (!ucx.ok()) {
     std::fprintf(stderr, "kvcached: UCX is not available (%s): hand-offs move K/V over gRPC\n",
-                 std::string(status.message()).c_str());
+                 std::string(ucx.status().message()).c_str());
     return;
   }
-  exposure.worker_address = (*ucx)->worker_address();
-  std::fprintf(stderr, "kvcached: hand-offs move K/V over UCX (%s)\n",
-               (*ucx)->transports().c_str());
+  std::fprintf(stderr, "kvcached: hand-offs move K/V over UCX (sidecar pid %d)\n",
+               static_cast<int>((*ucx)->pid()));
   ucx_ = *std::move(ucx);
-  ucx_exposure_ = std::move(exposure);
 }
 
 void Daemon::CreateExecutor() {
@@ -468,8 +455,7 @@ absl::Status Daemon::ServeGrpc() {
     ASSIGN_OR_RETURN(PeerCredentials peer, ReadPeerCredentials(options_));
     trust.peer_ca_pem = std::move(peer.ca_pem);
   }
-  peer_service_ = std::make_unique<KvPeerService>(exports_.get(), pools_.get(),
-                                                  ucx_ != nullptr ? &ucx_exposure_ : nullptr,
+  peer_service_ = std::make_unique<KvPeerService>(exports_.get(), pools_.get(), ucx_.get(),
                                                   executor_.get(), metrics_.get(), trust);
   int peer_port = 0;
   if (!options_.peer_listen.empty()) {

@@ -17,7 +17,6 @@
 #include "cache_manager/base/byte_budget.h"
 #include "cache_manager/base/mutex.h"
 #include "cache_manager/handoff/exports.h"
-#include "cache_manager/kv/ucx_transfer.h"
 #include "cache_manager/kv/score_regions.h"
 #include "cache_manager/persist/snapshot.h"
 #include "cache_manager/table/sequence_table.h"
@@ -25,6 +24,7 @@
 #include "kernels/backend.h"
 #include "server/kv_peer_service.h"
 #include "server/metrics.h"
+#include "server/ucx_sidecar.h"
 #include "server/server_options.h"
 
 namespace grpc {
@@ -91,8 +91,8 @@ class Daemon {
   // Hand-offs: the exports (source side), UCX over the pools (--kv_transfer=ucx; a
   // failure to start it is logged and K/V then moves over gRPC), the importer.
   absl::Status CreateHandoff();
-  // UCX with the pools exposed for peers' reads and registered for this node's imports;
-  // null (logged) when UCX cannot start.
+  // The UCX sidecar over the pools (server/ucx_sidecar.h); none (logged) when it cannot
+  // start: hand-offs then move K/V over gRPC.
   void StartUcx();
   // With --allow_shm_scores.
   void CreateScoreRegions();
@@ -128,10 +128,9 @@ class Daemon {
   std::unique_ptr<CrossDeviceJoiner> cross_device_joiner_;  // before table_: its slots use it
   std::unique_ptr<SequenceTable> table_;
   std::unique_ptr<StepExecutor> executor_;
-  // Hand-offs. ucx_ after pools_ (it registers their memory, so it goes first); exports_
-  // after table_ (its destruction unfreezes sequences); importer_ after executor_.
-  std::unique_ptr<UcxTransport> ucx_;
-  UcxExposure ucx_exposure_;
+  // Hand-offs. exports_ after table_ (its destruction unfreezes sequences); importer_
+  // after executor_ and ucx_.
+  std::unique_ptr<UcxSidecar> ucx_;
   std::unique_ptr<ExportTable> exports_;
   std::unique_ptr<Importer> importer_;
   std::unique_ptr<KvPeerService> peer_service_;

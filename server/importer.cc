@@ -106,12 +106,10 @@ absl::Status CheckExport(const std::string& source, const v1::ExportSequenceResp
 // detection (a single 2 GiB get would look stalled on a same-host path).
 constexpr int64_t kMaxReadBytes = int64_t{8} << 20;
 
-std::vector<UcxRead> UcxReads(const std::vector<int32_t>& source_blocks,
-                              const std::vector<int32_t>& target_blocks, const std::string* rkey,
-                              uint64_t remote_base, BlockPool& pool) {
-  const int64_t block_bytes = pool.layout().BlockBytes();
+void AppendUcxReads(const std::vector<int32_t>& source_blocks,
+                    const std::vector<int32_t>& target_blocks, uint32_t key, int32_t rank,
+                    uint64_t remote_base, int64_t block_bytes, std::vector<SidecarRead>* reads) {
   const size_t most = static_cast<size_t>(std::max<int64_t>(1, kMaxReadBytes / block_bytes));
-  std::vector<UcxRead> reads;
   for (size_t i = 0; i < source_blocks.size();) {
     size_t n = 1;
     while (n < most && i + n < source_blocks.size() &&
@@ -119,14 +117,12 @@ std::vector<UcxRead> UcxReads(const std::vector<int32_t>& source_blocks,
            target_blocks[i + n] == target_blocks[i] + int32_t(n)) {
       ++n;
     }
-    reads.push_back(UcxRead{rkey,
-                            remote_base + static_cast<uint64_t>(source_blocks[i]) *
-                                              static_cast<uint64_t>(block_bytes),
-                            pool.BlockData(target_blocks[i]),
-                            static_cast<int64_t>(n) * block_bytes});
+    reads->push_back(SidecarRead{
+        key,
+        remote_base + static_cast<uint64_t>(source_blocks[i]) * static_cast<uint64_t>(block_bytes),
+        rank, target_blocks[i] * block_bytes, static_cast<int64_t>(n) * block_bytes});
     i += n;
   }
-  return reads;
 }
 
 }  // namespace
@@ -151,7 +147,7 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(const ServerOptions& options
 
 Importer::Importer(const ServerOptions& options, PeerCredentials credentials,
                    SequenceTable* table, KvPools* pools, StepExecutor* executor,
-                   UcxTransport* ucx, ServerMetrics* metrics)
+                   UcxSidecar* ucx, ServerMetrics* metrics)
     : options_(options),
       credentials_(std::move(credentials)),
       table_(table),
@@ -187,7 +183,8 @@ absl::Status Importer::Submit(std::string tenant, v1::ImportSequenceRequest requ
   if (stopping_) {
     return absl::UnavailableError("ImportSequence was not run: kvcached is shutting down");
   }
-  if (static_cast<int64_t>(queue_.size()) >= options_.max_queued_imports + options_.import_threads) {
+  // Waiting means no import thread is free to take it: an idle thread takes one at once.
+  if (static_cast<int64_t>(queue_.size()) >= options_.max_queued_imports + idle_threads_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "sequence '", request.sequence_id(), "': ", queue_.size(),
         " imports are already waiting (--max_queued_imports); retry later"));
@@ -202,7 +199,9 @@ void Importer::Loop() {
     Job job;
     {
       MutexLock lock(&mu_);
+      ++idle_threads_;
       while (queue_.empty() && !stopping_) mu_.Wait(&wake_);
+      --idle_threads_;
       if (queue_.empty()) return;
       job = std::move(queue_.front());
       queue_.pop_front();
@@ -353,17 +352,15 @@ absl::StatusOr<std::string> Importer::CopyKv(v1::KvPeer::Stub& stub, const std::
   const int32_t ranks = pools_->ranks();
   if (UseUcx() && !exported.ucx_worker_address().empty() && exported.ucx_ranks_size() == ranks) {
     std::vector<std::string> rkeys;
-    rkeys.reserve(static_cast<size_t>(ranks));
-    for (const v1::UcxRank& rank : exported.ucx_ranks()) rkeys.push_back(rank.rkey());
-    std::vector<UcxRead> reads;
+    std::vector<SidecarRead> reads;
     for (int32_t r = 0; r < ranks; ++r) {
-      const auto& rank = exported.ucx_ranks(r);
-      std::vector<UcxRead> more =
-          UcxReads(record.kv[static_cast<size_t>(r)].blocks, here[static_cast<size_t>(r)].blocks,
-                   &rkeys[static_cast<size_t>(r)], rank.remote_address(), pools_->pool(r));
-      reads.insert(reads.end(), more.begin(), more.end());
+      const v1::UcxRank& rank = exported.ucx_ranks(r);
+      rkeys.push_back(rank.rkey());
+      AppendUcxReads(record.kv[static_cast<size_t>(r)].blocks, here[static_cast<size_t>(r)].blocks,
+                     static_cast<uint32_t>(r), r, rank.remote_address(),
+                     pools_->pool(r).layout().BlockBytes(), &reads);
     }
-    const absl::Status read = ucx_->Read(exported.ucx_worker_address(), reads, deadline);
+    const absl::Status read = ucx_->Read(exported.ucx_worker_address(), rkeys, reads, deadline);
     if (!read.ok()) {
       return absl::Status(read.code(), absl::StrCat("source ", source,
                                                     ": reading its KV blocks over UCX: ",

@@ -37,13 +37,13 @@
 #include "cache_manager/base/byte_budget.h"
 #include "cache_manager/base/mutex.h"
 #include "cache_manager/kv/kv_pools.h"
-#include "cache_manager/kv/ucx_transfer.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/server_options.h"
+#include "server/ucx_sidecar.h"
 
 namespace kvcm::server {
 
@@ -66,7 +66,7 @@ class Importer {
 
   // `pools` and `ucx` may be null (no pools; no UCX: K/V over gRPC). None is owned.
   Importer(const ServerOptions& options, PeerCredentials credentials, SequenceTable* table,
-           KvPools* pools, StepExecutor* executor, UcxTransport* ucx, ServerMetrics* metrics);
+           KvPools* pools, StepExecutor* executor, UcxSidecar* ucx, ServerMetrics* metrics);
   // Queued imports are answered UNAVAILABLE; running ones finish (bounded by their
   // deadline) before the threads join.
   ~Importer();
@@ -128,13 +128,14 @@ class Importer {
   SequenceTable* const table_;
   KvPools* const pools_;
   StepExecutor* const executor_;
-  UcxTransport* const ucx_;
+  UcxSidecar* const ucx_;
   ServerMetrics* const metrics_;
   ByteBudget bytes_in_flight_;
   Mutex mu_;
   std::condition_variable_any wake_;
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  int64_t idle_threads_ ABSL_GUARDED_BY(mu_) = 0;  // import threads waiting for a job
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

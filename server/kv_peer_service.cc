@@ -88,7 +88,7 @@ class ExportedKvWriter final : public grpc::ServerWriteReactor<grpc::ByteBuffer>
 
 }  // namespace
 
-KvPeerService::KvPeerService(ExportTable* exports, const KvPools* pools, const UcxExposure* ucx,
+KvPeerService::KvPeerService(ExportTable* exports, const KvPools* pools, UcxSidecar* ucx,
                              StepExecutor* executor, ServerMetrics* metrics, PeerTrust trust)
     : exports_(exports),
       pools_(pools),
@@ -146,13 +146,18 @@ grpc::ServerUnaryReactor* KvPeerService::ExportSequence(grpc::CallbackServerCont
         response->set_lease_seconds(absl::ToDoubleSeconds(exports_->lease()));
         if (pools_ == nullptr) return absl::OkStatus();
         ToProto(pools_->pool(0).layout(), response->mutable_geometry());
-        if (request.want_ucx() && ucx_ != nullptr) {
-          response->set_ucx_worker_address(ucx_->worker_address);
-          for (size_t r = 0; r < ucx_->keys.size(); ++r) {
+        // Without a sidecar (none, or none can start now) the target reads over gRPC.
+        absl::StatusOr<UcxExposure> exposure =
+            request.want_ucx() && ucx_ != nullptr
+                ? ucx_->Exposure()
+                : absl::StatusOr<UcxExposure>(absl::UnavailableError("no UCX"));
+        if (exposure.ok()) {
+          response->set_ucx_worker_address(exposure->worker_address);
+          for (size_t r = 0; r < exposure->keys.size(); ++r) {
             v1::UcxRank* rank = response->add_ucx_ranks();
             rank->set_rank(static_cast<int32_t>(r));
-            rank->set_remote_address(ucx_->keys[r].remote_address);
-            rank->set_rkey(ucx_->keys[r].rkey);
+            rank->set_remote_address(exposure->keys[r].remote_address);
+            rank->set_rkey(exposure->keys[r].rkey);
           }
         }
         return absl::OkStatus();

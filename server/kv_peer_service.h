@@ -20,12 +20,12 @@
 #include "absl/status/status.h"
 #include "cache_manager/handoff/exports.h"
 #include "cache_manager/kv/kv_pools.h"
-#include "cache_manager/kv/ucx_transfer.h"
 #include "cache_manager/table/step_executor.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcache/v1/kvcache.grpc.pb.h"
 #include "server/auth.h"
 #include "server/metrics.h"
+#include "server/ucx_sidecar.h"
 
 namespace kvcm::server {
 
@@ -36,12 +36,6 @@ using KvPeerServiceBase = KvPeer::WithRawCallbackMethod_ExportSequence<
         KvPeer::WithRawCallbackMethod_FinishExport<KvPeer::Service>>>;
 }  // namespace internal
 
-// The pools as UCX exposes them: what an export tells a target that reads over UCX.
-struct UcxExposure {
-  std::string worker_address;
-  std::vector<UcxMemoryKey> keys;  // per rank
-};
-
 // Who may call KvPeer.
 struct PeerTrust {
   const BearerTokens* tokens = nullptr;  // --auth_tokens_file; null: none
@@ -51,7 +45,7 @@ struct PeerTrust {
 class KvPeerService final : public internal::KvPeerServiceBase {
  public:
   // `pools` and `ucx` may be null. None is owned.
-  KvPeerService(ExportTable* exports, const KvPools* pools, const UcxExposure* ucx,
+  KvPeerService(ExportTable* exports, const KvPools* pools, UcxSidecar* ucx,
                 StepExecutor* executor, ServerMetrics* metrics, PeerTrust trust);
 
   // Raw: ExportSequenceRequest in, ExportSequenceResponse out.
@@ -73,7 +67,7 @@ class KvPeerService final : public internal::KvPeerServiceBase {
  private:
   ExportTable* const exports_;
   const KvPools* const pools_;
-  const UcxExposure* const ucx_;
+  UcxSidecar* const ucx_;
   StepExecutor* const executor_;
   ServerMetrics* const metrics_;
   const PeerTrust trust_;

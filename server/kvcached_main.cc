@@ -19,11 +19,14 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "cache_manager/base/status_macros.h"
 #include "cache_manager/kv/kv_storage.h"
 #include "server/daemon.h"
+#include "server/ucx_sidecar.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address: host:port (port 0: any free port) or unix:/path/to.sock");
@@ -365,6 +368,13 @@ int WaitForStop(const sigset_t& stop_signals, kvcm::server::Daemon& daemon) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The UCX sidecar (server/ucx_sidecar.h) is this binary started by a kvcached with the
+  // control channel's fd and nothing else.
+  if (argc == 2 && absl::StartsWith(argv[1], "--ucx_sidecar_fd=")) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(absl::string_view(argv[1]).substr(17), &fd) || fd < 0) return 2;
+    return kvcm::server::RunUcxSidecar(fd);
+  }
   absl::SetProgramUsageMessage("the KV-cache eviction daemon: kvcached [--listen=ADDR] ...");
   absl::ParseCommandLine(argc, argv);
   TuneMalloc();

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -516,6 +517,55 @@ TEST_P(FaultTest, ATargetKilledMidTransferLeavesTheSourceServingItExactly) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, FaultTest, ::testing::Values("ucx", "grpc"));
 
+// The UCX sidecar of `daemon` (server/ucx_sidecar.h): its child process; -1 when none.
+pid_t SidecarOf(const DaemonProcess& daemon) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // pid (comm) state ppid ...: the command may hold spaces; fields follow the last ')'.
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string state;
+    pid_t ppid = -1;
+    rest >> state >> ppid;
+    if (ppid == daemon.pid() && state != "Z") return static_cast<pid_t>(std::stoi(line));
+  }
+  return -1;
+}
+
+// UCX runs in a sidecar process, so whatever UCX does to that process (UCX 1.13 can abort
+// it when a reader dies mid-read) leaves the daemon and its sequences alone: a killed
+// sidecar fails at most the read in progress, and the next hand-off starts another.
+TEST(HandoffTest, AKilledUcxSidecarIsReplacedAndTheDaemonsServeOn) {
+  const std::vector<std::string> flags = With(kPools, {"--kv_transfer=ucx"});
+  std::unique_ptr<DaemonProcess> source = StartDaemon(flags);
+  std::unique_ptr<DaemonProcess> target = StartDaemon(flags);
+  auto at_source = source->Connect();
+  auto at_target = target->Connect();
+  for (const DaemonProcess* daemon : {source.get(), target.get()}) {
+    const pid_t sidecar = SidecarOf(*daemon);
+    ASSERT_GT(sidecar, 0) << "no UCX sidecar: " << daemon->Log();
+    ASSERT_EQ(kill(sidecar, SIGKILL), 0);
+    ASSERT_TRUE(testing::WaitFor([&] { return SidecarOf(*daemon) != sidecar; }, absl::Seconds(10),
+                                 "the killed sidecar is gone"));
+    const std::string id = absl::StrCat("s", daemon == source.get() ? "-source" : "-target");
+    PrefillAndStepOnce(*at_source, id, 60);
+    absl::StatusOr<v1::SequenceState> before = at_source->Inspect(id, true);
+    ASSERT_TRUE(before.ok());
+    const std::vector<std::string> written = CachedKv(*at_source, *before);
+    absl::StatusOr<v1::ImportSequenceResponse> imported =
+        at_target->ImportSequence(id, source->grpc_address());
+    ASSERT_TRUE(imported.ok()) << imported.status() << daemon->Log();
+    EXPECT_EQ(imported->transport(), "ucx");
+    EXPECT_EQ(CachedKv(*at_target, imported->state()), written);
+    EXPECT_GT(SidecarOf(*daemon), 0) << "another sidecar started";
+  }
+  EXPECT_THAT(source->Log() + target->Log(), HasSubstr("starting another"));
+  StopBoth(std::move(source), std::move(target), &at_source, &at_target);
+}
+
 // The test as a peer of `daemon` (no authentication configured: every caller is trusted).
 std::unique_ptr<v1::KvPeer::Stub> PeerStub(const DaemonProcess& daemon) {
   return v1::KvPeer::NewStub(
@@ -730,6 +780,34 @@ TEST(HandoffTest, PastTheInFlightBoundTheImportIsRefusedAndTheSourceKeepsServing
   absl::StatusOr<v1::DecisionBatch> stepped = at_source->Step(OneStep("s", 1, 400, 1));
   ASSERT_TRUE(stepped.ok());
   EXPECT_EQ(stepped->decisions(0).code(), 0) << stepped->decisions(0).message();
+  StopBoth(std::move(source), std::move(target), &at_source, &at_target);
+}
+
+// The import queue: with one import thread busy and no room to wait, the next import is
+// refused at once, and the busy one completes.
+TEST(HandoffTest, PastTheImportQueueTheImportIsRefused) {
+  std::unique_ptr<DaemonProcess> source = StartDaemon({});
+  std::unique_ptr<DaemonProcess> target =
+      StartDaemon({"--import_threads=1", "--max_queued_imports=0", "--import_timeout=20s"});
+  auto at_source = source->Connect();
+  auto at_target = target->Connect();
+  ASSERT_TRUE(at_source->Open(Open("s1", 40)).ok());
+  ASSERT_TRUE(at_source->Open(Open("s2", 40)).ok());
+  kill(source->pid(), SIGSTOP);  // the first import's export waits for it
+  std::future<absl::Status> first = std::async(std::launch::async, [&] {
+    return target->Connect()->ImportSequence("s1", source->grpc_address()).status();
+  });
+  ASSERT_TRUE(testing::WaitFor(
+      [&] { return Metric(*target, R"(kvcache_requests_total{rpc="ImportSequence"})") >= 1; },
+      absl::Seconds(10), "the first import arrived"));
+  absl::StatusOr<v1::ImportSequenceResponse> second =
+      at_target->ImportSequence("s2", source->grpc_address());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
+  EXPECT_THAT(second.status().message(), HasSubstr("--max_queued_imports"));
+  kill(source->pid(), SIGCONT);
+  EXPECT_TRUE(first.get().ok());
+  EXPECT_TRUE(at_target->Inspect("s1", false).ok());
+  EXPECT_TRUE(at_source->Inspect("s2", false).ok());
   StopBoth(std::move(source), std::move(target), &at_source, &at_target);
 }
 
