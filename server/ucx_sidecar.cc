@@ -308,8 +308,18 @@ absl::Status UcxSidecar::SpawnLocked() {
 
 absl::Status UcxSidecar::EnsureRunningLocked() {
   if (pid_ > 0) {
+    // An idle channel has nothing to read: a readable or hung-up one means the sidecar is
+    // gone (its end closes as it exits, before it can be waited for).
+    pollfd p{fd_, POLLIN, 0};
+    const bool closed = poll(&p, 1, 0) != 0;
     int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == 0) return absl::OkStatus();
+    const pid_t exited = waitpid(pid_, &status, WNOHANG);
+    if (!closed && exited == 0) return absl::OkStatus();
+    if (exited != pid_) {  // not reaped yet: it is exiting
+      kill(pid_, SIGKILL);
+      while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
     std::fprintf(stderr, "kvcached: the UCX sidecar (pid %d) exited (%s %d); starting another\n",
                  pid_, WIFSIGNALED(status) ? "signal" : "status",
                  WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
@@ -329,7 +339,20 @@ absl::Status UcxSidecar::Read(const std::string& peer_worker_address,
                               const std::vector<std::string>& rkeys,
                               const std::vector<SidecarRead>& reads, absl::Time deadline) {
   MutexLock lock(&mu_);
-  RETURN_IF_ERROR(EnsureRunningLocked());
+  // The reads only fill blocks the import holds, so one lost with its sidecar is done again,
+  // once, by the next sidecar.
+  absl::Status status;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    RETURN_IF_ERROR(EnsureRunningLocked());
+    status = ReadLocked(peer_worker_address, rkeys, reads, deadline);
+    if (pid_ > 0 || absl::Now() >= deadline) break;  // answered, or no time to try again
+  }
+  return status;
+}
+
+absl::Status UcxSidecar::ReadLocked(const std::string& peer_worker_address,
+                                    const std::vector<std::string>& rkeys,
+                                    const std::vector<SidecarRead>& reads, absl::Time deadline) {
   Frame request;
   request.Put<int64_t>(absl::ToUnixMicros(deadline));
   request.PutString(peer_worker_address);

@@ -67,7 +67,7 @@ class UcxSidecar {
 
   // Reads every entry of `reads` from the peer at `peer_worker_address` into this node's
   // pools by `deadline`. UcxTransport::Read's errors, and UNAVAILABLE when the sidecar dies
-  // during the read (it is restarted for the next one).
+  // during the read twice (once, the read is done again by a new sidecar).
   absl::Status Read(const std::string& peer_worker_address, const std::vector<std::string>& rkeys,
                     const std::vector<SidecarRead>& reads, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -86,6 +86,12 @@ class UcxSidecar {
   // A running sidecar, starting one when there is none (or the last one exited).
   absl::Status EnsureRunningLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SpawnLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One attempt of Read with the sidecar running; on a channel failure the sidecar is
+  // stopped (pid_ < 0).
+  absl::Status ReadLocked(const std::string& peer_worker_address,
+                          const std::vector<std::string>& rkeys,
+                          const std::vector<SidecarRead>& reads, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Kills and reaps the sidecar, if any.
   void StopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
