@@ -37,10 +37,11 @@ cmake --build build-asan -j "$jobs"
 # The deploy checks and the Python client's tests run no code of ours that ASan could
 # instrument (the Python tests' daemon is stage 1's); everything else runs here, but for
 # the daemon RSS bounds, which ASan's shadow memory, redzones and quarantine break (414 MiB
-# against a 200 MiB bound; freed memory held in quarantine after closes): stage 1 checks them.
+# against a 200 MiB bound; 252 MiB against 200 for the stream that never reads; freed memory
+# held in quarantine after closes): stage 1 checks them.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE 'deploy|python' \
-    -E 'RepliesNobodyReadsDoNotGrowTheDaemon|MemoryLimitRefusesOpensPastItAndRssStaysBounded'
+    -E 'RepliesNobodyReadsDoNotGrowTheDaemon|MemoryLimitRefusesOpensPastItAndRssStaysBounded|AStreamThatNeverReadsIsHeldBackAndTheDaemonStaysSmall'
 
 echo "== 3/4 engine concurrency under TSan (build-tsan/)"
 mkdir -p build-tsan

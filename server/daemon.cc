@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -115,8 +116,13 @@ ScoreRegionAllocator ScoreRegionAllocatorFor(EngineBackend engine, int device) {
 
 // A SIGKILLed instance could not unlink its pools and created score regions; without
 // this they would hold node memory until reboot.
+// Set when this start set its --state_dir snapshot aside: the pools that snapshot kept
+// (marked, MarkSharedMemoryKept) will never be re-attached, and the sweep takes them.
+std::atomic<bool> snapshot_set_aside{false};
+
 void RemoveDeadInstancesSharedMemory() {
-  for (const std::string& name : RemoveStaleSharedMemory(IsDeadInstancesPool)) {
+  for (const std::string& name :
+       RemoveStaleSharedMemory(IsDeadInstancesPool, snapshot_set_aside.load())) {
     std::fprintf(stderr, "kvcached: removed %s, shared memory its dead kvcached left behind\n",
                  name.c_str());
   }
@@ -152,6 +158,7 @@ std::string SnapshotPath(const ServerOptions& options) {
 // sequences with `resume` as after a crash. Refusing to start would instead keep the
 // whole node from serving until someone deletes the file.
 void SetSnapshotAside(const std::string& path, const absl::Status& why) {
+  snapshot_set_aside.store(true);
   const std::string aside = path + ".corrupt";
   const std::string where =
       std::rename(path.c_str(), aside.c_str()) == 0
@@ -665,6 +672,17 @@ void Daemon::Drain(absl::Duration deadline) {
   // the next start to re-attach.
   if (pools_ != nullptr && !options_.keep_kv_pools_on_exit && !snapshot_written) {
     pools_->UnlinkSharedMemory();
+  }
+  if (pools_ != nullptr && snapshot_written) {
+    // Until the next start re-attaches them nobody holds them: marked, another kvcached
+    // starting on the node meanwhile does not take them for a dead instance's.
+    for (int32_t r = 0; r < pools_->ranks(); ++r) {
+      const MemoryExport& memory = pools_->pool(r).memory_export();
+      if (memory.kind != MemoryExport::Kind::kPosixShm) continue;
+      if (absl::Status marked = MarkSharedMemoryKept(memory.shm_name); !marked.ok()) {
+        std::fprintf(stderr, "kvcached: ERROR: %s\n", std::string(marked.message()).c_str());
+      }
+    }
   }
 }
 

@@ -171,6 +171,7 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewHostKvStorage(int64_t bytes,
         close(fd);  // never unlinked: it is not ours
         return status;
       }
+      fchmod(fd, 0600);  // ours again: no longer kept for a restart
     }
     // Reserve the pages now: a tmpfs that runs out later would kill the process with
     // SIGBUS on first touch instead of failing here. An attached object has them.
@@ -213,8 +214,18 @@ void UnlinkSharedMemoryAfterCrash() {
   }
 }
 
+absl::Status MarkSharedMemoryKept(const std::string& shm_name) {
+  const int fd = shm_open(shm_name.c_str(), O_RDWR | O_NOFOLLOW, 0);
+  if (fd < 0) return SystemError(errno, absl::StrCat("shm_open('", shm_name, "')"));
+  const int marked = fchmod(fd, 0700);
+  const int error = errno;
+  close(fd);
+  if (marked != 0) return SystemError(error, absl::StrCat("fchmod('", shm_name, "')"));
+  return absl::OkStatus();
+}
+
 std::vector<std::string> RemoveStaleSharedMemory(
-    absl::FunctionRef<bool(absl::string_view name)> ours) {
+    absl::FunctionRef<bool(absl::string_view name)> ours, bool include_kept) {
   std::vector<std::string> removed;
   DIR* dir = opendir(kShmDir);
   if (dir == nullptr) return removed;
@@ -225,8 +236,13 @@ std::vector<std::string> RemoveStaleSharedMemory(
     const int fd = shm_open(shm_name.c_str(), O_RDWR | O_NOFOLLOW, 0);
     if (fd < 0) continue;
     struct stat st;
-    // Another user's objects are not ours to judge; a held lock means a live owner.
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+    // Another user's objects are not ours to judge; a held lock means a live owner; a
+    // recent mark, a snapshot's pool waiting for its restart.
+    const auto kept = [&] {
+      return !include_kept && (st.st_mode & S_IXUSR) != 0 &&
+             time(nullptr) - st.st_ctime < kKeptSharedMemorySeconds;
+    };
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() && !kept() &&
         flock(fd, LOCK_EX | LOCK_NB) == 0) {
       if (shm_unlink(shm_name.c_str()) == 0) removed.push_back(shm_name);
     }

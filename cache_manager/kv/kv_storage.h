@@ -98,11 +98,23 @@ void UnlinkSharedMemory(const std::string& shm_name);
 // async-signal-safe calls: for a fatal-signal handler, which then re-raises the signal.
 void UnlinkSharedMemoryAfterCrash();
 
+// Marks a shared-memory object as kept for a restart (a snapshot names it): mode 0700, the
+// owner's execute bit being the mark, until a storage attaches it again (back to 0600).
+// Between the drain that keeps it and the start that re-attaches it no process holds it,
+// and RemoveStaleSharedMemory must not take it for a dead instance's (another kvcached
+// starting on the node in that window would). INTERNAL with strerror's text on failure.
+absl::Status MarkSharedMemoryKept(const std::string& shm_name);
+// How long a mark protects an object: a snapshot not restored by then is abandoned.
+inline constexpr int64_t kKeptSharedMemorySeconds = 600;
+
 // Removes the shared-memory objects of /dev/shm whose name (without the slash) `ours`
 // accepts, that belong to this user and that no live process holds (a NewHostKvStorage
-// owner holds a flock until it dies, SIGKILL included). Returns the names removed.
+// owner holds a flock until it dies, SIGKILL included), except those marked kept
+// (MarkSharedMemoryKept) less than kKeptSharedMemorySeconds ago unless `include_kept` (a
+// daemon whose own snapshot was set aside: the pools it kept are abandoned). Returns the
+// names removed.
 std::vector<std::string> RemoveStaleSharedMemory(
-    absl::FunctionRef<bool(absl::string_view name)> ours);
+    absl::FunctionRef<bool(absl::string_view name)> ours, bool include_kept = false);
 
 }  // namespace kvcm
 

@@ -13,6 +13,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "cache_manager/kv/kv_storage.h"
 #include "gtest/gtest.h"
 #include "tests/cache_manager/kv/kv_pattern.h"
 
@@ -381,6 +384,32 @@ TEST(HostKvStorageTest, RejectsABadSharedMemoryName) {
               absl::StatusCode::kInvalidArgument)
         << bad;
   }
+}
+
+}  // namespace
+}  // namespace kvcm
+
+namespace kvcm {
+namespace {
+
+// A pool a snapshot keeps for the restart is held by no process between the drain and the
+// start: marked kept, the sweep for dead instances' objects leaves it; unmarked, it goes.
+TEST(SharedMemorySweepTest, AnObjectMarkedKeptForARestartIsNotSwept) {
+  const std::string kept = absl::StrCat("/kvcm-sweep-test-", getpid(), "-kept");
+  const std::string stale = absl::StrCat("/kvcm-sweep-test-", getpid(), "-stale");
+  for (const std::string& name : {kept, stale}) {
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    close(fd);
+  }
+  ASSERT_TRUE(MarkSharedMemoryKept(kept).ok());
+  const std::string prefix = absl::StrCat("kvcm-sweep-test-", getpid());
+  const std::vector<std::string> removed = RemoveStaleSharedMemory(
+      [&](absl::string_view name) { return absl::StartsWith(name, prefix); });
+  EXPECT_EQ(removed, std::vector<std::string>{stale});
+  EXPECT_EQ(shm_unlink(kept.c_str()), 0) << "the kept object was removed";
+  EXPECT_EQ(MarkSharedMemoryKept("/kvcm-sweep-test-no-such-object").code(),
+            absl::StatusCode::kInternal);
 }
 
 }  // namespace
