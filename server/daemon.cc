@@ -355,6 +355,7 @@ absl::Status Daemon::CreateHandoff() {
     StartUcx();
   }
   ASSIGN_OR_RETURN(PeerCredentials credentials, ReadPeerCredentials(options_));
+  peer_ca_pem_ = credentials.ca_pem;  // KvPeer's trust, from the same read
   importer_ = std::make_unique<Importer>(options_, std::move(credentials), table_.get(),
                                          pools_.get(), executor_.get(), ucx_.get(),
                                          metrics_.get());
@@ -457,11 +458,7 @@ absl::Status Daemon::ServeGrpc() {
         grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   }
   service_->set_importer(importer_.get());
-  PeerTrust trust{tokens_.get(), ""};
-  if (!options_.peer_ca_file.empty()) {
-    ASSIGN_OR_RETURN(PeerCredentials peer, ReadPeerCredentials(options_));
-    trust.peer_ca_pem = std::move(peer.ca_pem);
-  }
+  const PeerTrust trust{tokens_.get(), peer_ca_pem_};
   peer_service_ = std::make_unique<KvPeerService>(exports_.get(), pools_.get(), ucx_.get(),
                                                   executor_.get(), metrics_.get(), trust);
   int peer_port = 0;

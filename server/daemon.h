@@ -134,6 +134,7 @@ class Daemon {
   std::unique_ptr<ExportTable> exports_;
   std::unique_ptr<Importer> importer_;
   std::unique_ptr<KvPeerService> peer_service_;
+  std::string peer_ca_pem_;  // --peer_ca_file's certificates ("": none)
   // The bytes of created score regions (a child of the table's memory budget for host
   // ones); before regions_, which gives its bytes back.
   std::unique_ptr<ByteBudget> created_region_budget_;

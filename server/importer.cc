@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "cache_manager/base/status_macros.h"
 #include "cache_manager/persist/snapshot.h"
+#include "server/tls.h"
 #include "server/translate.h"
 
 namespace kvcm::server {
@@ -138,9 +139,12 @@ absl::StatusOr<PeerCredentials> ReadPeerCredentials(const ServerOptions& options
     }
   }
   if (!options.peer_ca_file.empty()) {
-    ASSIGN_OR_RETURN(credentials.ca_pem, ReadWholeFile(options.peer_ca_file, "--peer_ca_file"));
-    ASSIGN_OR_RETURN(credentials.cert_pem, ReadWholeFile(options.tls_cert_file, "--tls_cert_file"));
-    ASSIGN_OR_RETURN(credentials.key_pem, ReadWholeFile(options.tls_key_file, "--tls_key_file"));
+    ASSIGN_OR_RETURN(credentials.ca_pem,
+                     ReadPem(options.peer_ca_file, "--peer_ca_file", PemKind::kCertificate));
+    ASSIGN_OR_RETURN(credentials.cert_pem,
+                     ReadPem(options.tls_cert_file, "--tls_cert_file", PemKind::kCertificate));
+    ASSIGN_OR_RETURN(credentials.key_pem,
+                     ReadPem(options.tls_key_file, "--tls_key_file", PemKind::kPrivateKey));
   }
   return credentials;
 }

@@ -16,11 +16,7 @@
 #include "openssl/x509_vfy.h"
 
 namespace kvcm::server {
-namespace {
 
-enum class PemKind { kCertificate, kPrivateKey };
-
-// The PEM text of `path`, checked to hold at least one certificate (or a private key).
 absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag,
                                     PemKind kind) {
   std::ifstream in(path, std::ios::binary);
@@ -50,8 +46,6 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view f
   }
   return pem;
 }
-
-}  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options) {

@@ -14,6 +14,12 @@
 
 namespace kvcm::server {
 
+enum class PemKind { kCertificate, kPrivateKey };
+// The PEM text of `path`, checked to hold at least one certificate (or a private key);
+// INVALID_ARGUMENT naming `flag` and the file otherwise.
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag,
+                                    PemKind kind);
+
 // Insecure credentials without tls_cert_file; otherwise TLS with that certificate chain and
 // key, and with tls_client_ca_file a client certificate required and verified against it.
 // INVALID_ARGUMENT naming the flag and the file when one is missing, unreadable or holds
