@@ -390,8 +390,10 @@ absl::StatusOr<SequenceTable::PendingImport> SequenceTable::Build(
   if (!kv.ok()) return kv.status();
   const SlotLimits limits{&join_budget_, reservation->budget_, options_.max_sequence_tokens,
                           options_.cross_device_joiner, clock_};
+  // Only an import reads its leases back (to copy blocks into them): a plain Open does
+  // not copy its prefill's slot table for nothing.
   std::vector<BlockLeaseState> kv_here;
-  if (kv->has_value()) kv_here = (*kv)->State();
+  if (kv_from == KvFrom::kShapedLike && kv->has_value()) kv_here = (*kv)->State();
   auto slot = std::make_shared<SequenceSlot>(*std::move(sequence), tp_world_size, score_dtype,
                                              *std::move(kv), limits, state_bytes, clock_->Now(),
                                              options_.kv_events, std::string(tenant));
