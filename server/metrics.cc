@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -406,22 +407,52 @@ std::vector<prometheus::MetricFamily> KvEventGauges::Collect() const {
   };
 }
 
+namespace {
+
+// kvcache_pool_refused_total by the RPC whose request the pools refused (Step stands for
+// every decode step, sent by Step or StepStream: the engine cannot tell them apart).
+prometheus::MetricFamily PoolRefusedFamily(const KvPools* pools) {
+  static constexpr std::pair<KvPools::Asker, Rpc> kAskers[KvPools::kAskers] = {
+      {KvPools::Asker::kOpen, Rpc::kOpenSequence},
+      {KvPools::Asker::kImport, Rpc::kImportSequence},
+      {KvPools::Asker::kStep, Rpc::kStep}};
+  prometheus::MetricFamily f;
+  f.name = "kvcache_pool_refused_total";
+  f.help = "Requests refused RESOURCE_EXHAUSTED because a KV pool lacked the blocks";
+  f.type = prometheus::MetricType::Counter;
+  for (const auto& [asker, rpc] : kAskers) {
+    prometheus::ClientMetric m;
+    m.label = {{"rpc", std::string(RpcName(rpc))}};
+    m.counter.value = pools != nullptr ? static_cast<double>(pools->refused(asker)) : 0.0;
+    f.metric.push_back(std::move(m));
+  }
+  return f;
+}
+
+}  // namespace
+
 std::vector<prometheus::MetricFamily> PoolGauges::Collect() const {
   std::vector<BlockPoolUsage> usage;
   if (pools_ != nullptr) usage = pools_->Usage();
   if (usage.empty()) usage.push_back(BlockPoolUsage{});  // no pools: rank 0 at zero
-  std::vector<GaugeSeries> capacity, used, block_bytes;
+  std::vector<GaugeSeries> capacity, used, block_bytes, block_tokens, cached;
   for (const BlockPoolUsage& u : usage) {
     const std::vector<prometheus::ClientMetric::Label> labels = {
         {"backend", backend_}, {"rank", std::to_string(u.rank)}};
     capacity.push_back({labels, static_cast<double>(u.capacity_blocks)});
     used.push_back({labels, static_cast<double>(u.used_blocks)});
     block_bytes.push_back({labels, static_cast<double>(u.block_bytes)});
+    block_tokens.push_back({labels, static_cast<double>(u.tokens_per_block)});
+    cached.push_back({labels, static_cast<double>(u.cached_tokens)});
   }
   return {GaugeFamily("kvcache_pool_capacity_blocks", "KV blocks in the rank's pool", capacity),
           GaugeFamily("kvcache_pool_used_blocks", "KV blocks leased to sequences", used),
           GaugeFamily("kvcache_pool_block_bytes", "Bytes per KV block (all layers, K and V)",
-                      block_bytes)};
+                      block_bytes),
+          GaugeFamily("kvcache_pool_block_tokens", "Token slots per KV block", block_tokens),
+          GaugeFamily("kvcache_pool_cached_tokens",
+                      "Slots of leased KV blocks that hold a cached token", cached),
+          PoolRefusedFamily(pools_)};
 }
 
 std::vector<prometheus::MetricFamily> TableGauges::Collect() const {

@@ -159,8 +159,10 @@ class ServerMetrics {
   std::array<prometheus::Counter*, 3> exports_;           // by ExportResult
 };
 
-// kvcache_pool_capacity_blocks, kvcache_pool_used_blocks and kvcache_pool_block_bytes by
-// rank, read from the pools when Prometheus scrapes (rank 0 at 0 when there are none).
+// kvcache_pool_capacity_blocks, kvcache_pool_used_blocks, kvcache_pool_block_bytes,
+// kvcache_pool_block_tokens and kvcache_pool_cached_tokens by rank, and
+// kvcache_pool_refused_total by RPC, read from the pools when Prometheus scrapes (rank 0
+// and the counts at 0 when there are none): the step path pays one relaxed atomic add.
 class PoolGauges : public prometheus::Collectable {
  public:
   PoolGauges(const KvPools* pools, std::string backend)

@@ -98,6 +98,7 @@ void BlockLease::Reset() {
 void BlockLease::Release() {
   KVCM_CHECK(valid());
   if (!blocks_.empty()) pool_->ReturnBlocks(blocks_);
+  pool_->AddCachedTokens(-size());
   Reset();
 }
 
@@ -123,6 +124,7 @@ absl::Status BlockLease::Append(int64_t tokens) {
     add_token(free_.back());
     free_.pop_back();
   }
+  pool_->AddCachedTokens(tokens);
   int64_t placed = 0;
   for (int32_t block : taken) {
     const int64_t index = block_count();
@@ -170,6 +172,7 @@ absl::Status BlockLease::Evict(std::span<const int64_t> indices) {
     slots_[write++] = slots_[read];
   }
   slots_.resize(write);
+  pool_->AddCachedTokens(-static_cast<int64_t>(indices.size()));
   return absl::OkStatus();
 }
 
@@ -305,6 +308,7 @@ BlockPool::~BlockPool() {
   MutexLock lock(&mu_);
   KVCM_CHECK(leases_ == 0);
   KVCM_CHECK(static_cast<int64_t>(free_blocks_.size()) == capacity_blocks_);
+  KVCM_CHECK(cached_tokens_.load() == 0);
 }
 
 absl::StatusOr<BlockLease> BlockPool::Lease(int64_t tokens) {
@@ -350,6 +354,7 @@ absl::StatusOr<BlockLease> BlockPool::RestoreLease(const BlockLeaseState& state)
   BlockLease lease(this);
   lease.blocks_ = state.blocks;
   lease.slots_ = state.slots;
+  AddCachedTokens(lease.size());
   lease.RebuildFreeSlots();
   return lease;
 }
@@ -385,6 +390,7 @@ absl::StatusOr<BlockLease> BlockPool::LeaseLike(const BlockLeaseState& foreign) 
     const int32_t block = lease.blocks_[static_cast<size_t>(index.at(slot / tpb))];
     lease.slots_.push_back(block * tpb + slot % tpb);
   }
+  AddCachedTokens(lease.size());
   lease.RebuildFreeSlots();
   return lease;
 }
@@ -421,6 +427,7 @@ BlockPoolUsage BlockPool::Usage() const {
   usage.capacity_blocks = capacity_blocks_;
   usage.block_bytes = layout_.BlockBytes();
   usage.tokens_per_block = layout_.tokens_per_block;
+  usage.cached_tokens = cached_tokens_.load(std::memory_order_relaxed);
   MutexLock lock(&mu_);
   usage.used_blocks = capacity_blocks_ - static_cast<int64_t>(free_blocks_.size());
   usage.leases = leases_;

@@ -26,6 +26,7 @@
 #ifndef KVCM_CACHE_MANAGER_KV_BLOCK_POOL_H_
 #define KVCM_CACHE_MANAGER_KV_BLOCK_POOL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -57,6 +58,9 @@ struct BlockPoolUsage {
   int64_t block_bytes = 0;
   int64_t tokens_per_block = 0;
   int64_t leases = 0;  // live leases, empty ones included
+  // Slots holding a token, across the leases: at most used_blocks * tokens_per_block; the
+  // gap is the free slots leases keep (a spare block, holes that wait for compaction).
+  int64_t cached_tokens = 0;
 
   int64_t free_blocks() const { return capacity_blocks - used_blocks; }
 };
@@ -208,6 +212,9 @@ class BlockPool {
   absl::Status TakeBlocks(int64_t count, std::vector<int32_t>* out) ABSL_LOCKS_EXCLUDED(mu_);
   void ReturnBlocks(std::span<const int32_t> blocks) ABSL_LOCKS_EXCLUDED(mu_);
   void AddLeases(int64_t delta) ABSL_LOCKS_EXCLUDED(mu_);
+  // Leases report each change of their token count, so Usage() reads the pool's total
+  // without walking them.
+  void AddCachedTokens(int64_t delta) { cached_tokens_.fetch_add(delta, std::memory_order_relaxed); }
 
   const int32_t rank_;
   const kernels::KvBlockLayout layout_;
@@ -217,6 +224,7 @@ class BlockPool {
   mutable Mutex mu_;
   std::vector<int32_t> free_blocks_ ABSL_GUARDED_BY(mu_);  // a stack: lowest id on top
   int64_t leases_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> cached_tokens_{0};
 };
 
 }  // namespace kvcm

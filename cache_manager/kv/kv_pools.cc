@@ -34,6 +34,13 @@ std::vector<BlockPoolUsage> KvPools::Usage() const {
   return usage;
 }
 
+void KvPools::CountRefusal(Asker asker, const absl::Status& status) {
+  // A pool refuses only with RESOURCE_EXHAUSTED, and only for blocks; a lease's other
+  // errors (a malformed foreign lease) are INVALID_ARGUMENT.
+  if (status.code() != absl::StatusCode::kResourceExhausted) return;
+  refused_[static_cast<size_t>(asker)].fetch_add(1, std::memory_order_relaxed);
+}
+
 void KvPools::UnlinkSharedMemory() {
   for (const auto& pool : pools_) {
     const MemoryExport& exported = pool->memory_export();
@@ -47,13 +54,14 @@ absl::StatusOr<SequenceKv> SequenceKv::Lease(KvPools& pools, int64_t tokens,
   for (int32_t r = 0; r < pools.ranks(); ++r) {
     absl::StatusOr<BlockLease> lease = pools.pool(r).Lease(tokens);
     if (!lease.ok()) {  // the leases taken so far go back when `leases` is destroyed
+      pools.CountRefusal(KvPools::Asker::kOpen, lease.status());
       return absl::Status(lease.status().code(),
                           absl::StrCat("sequence '", sequence_id, "': ", tokens,
                                        " prefill tokens: ", lease.status().message()));
     }
     leases.push_back(*std::move(lease));
   }
-  SequenceKv kv(std::move(leases), pools.pool(0).layout().tokens_per_block);
+  SequenceKv kv(std::move(leases), &pools);
   return kv;
 }
 
@@ -100,18 +108,22 @@ absl::StatusOr<SequenceKv> SequenceKv::Restore(KvPools& pools,
                                     [](BlockPool& pool, const BlockLeaseState& state) {
                                       return pool.RestoreLease(state);
                                     }));
-  return SequenceKv(std::move(leases), pools.pool(0).layout().tokens_per_block);
+  return SequenceKv(std::move(leases), &pools);
 }
 
 absl::StatusOr<SequenceKv> SequenceKv::LeaseLike(KvPools& pools,
                                                  std::span<const BlockLeaseState> foreign,
                                                  int64_t tokens, absl::string_view sequence_id) {
-  ASSIGN_OR_RETURN(std::vector<BlockLease> leases,
-                   LeasesFromStates(pools, foreign, tokens, sequence_id,
-                                    [](BlockPool& pool, const BlockLeaseState& state) {
-                                      return pool.LeaseLike(state);
-                                    }));
-  return SequenceKv(std::move(leases), pools.pool(0).layout().tokens_per_block);
+  absl::StatusOr<std::vector<BlockLease>> leases =
+      LeasesFromStates(pools, foreign, tokens, sequence_id,
+                       [](BlockPool& pool, const BlockLeaseState& state) {
+                         return pool.LeaseLike(state);
+                       });
+  if (!leases.ok()) {
+    pools.CountRefusal(KvPools::Asker::kImport, leases.status());
+    return leases.status();
+  }
+  return SequenceKv(*std::move(leases), &pools);
 }
 
 std::vector<BlockLeaseState> SequenceKv::State() const {
@@ -125,6 +137,7 @@ absl::Status SequenceKv::AppendToken(absl::string_view sequence_id, int64_t step
     absl::Status appended = leases_[r].Append(1);
     if (!appended.ok()) {
       GiveBackLastSlot(r);  // the ranks that did get one
+      pools_->CountRefusal(KvPools::Asker::kStep, appended);
       return absl::Status(appended.code(),
                           absl::StrCat("sequence '", sequence_id, "' step ", step,
                                        ": no KV slot for the new token: ", appended.message()));

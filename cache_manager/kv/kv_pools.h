@@ -5,10 +5,16 @@
 // evicted tokens' slots are freed after it, and once two blocks' worth of slots are free
 // the survivors are compacted and the emptied blocks go back to the pool.
 //
-// KvPools is thread-safe (its pools are). A SequenceKv is not: its owner serializes it.
+// KvPools also counts the requests its pools refused for lack of blocks, by what asked, so
+// that operators can tell a full pool from the daemon's other refusals.
+//
+// KvPools is thread-safe (its pools are; its counts are atomic). A SequenceKv is not: its
+// owner serializes it.
 #ifndef KVCM_CACHE_MANAGER_KV_KV_POOLS_H_
 #define KVCM_CACHE_MANAGER_KV_KV_POOLS_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -25,6 +31,11 @@ namespace kvcm {
 
 class KvPools {
  public:
+  // What asked for blocks: a new sequence's prefill (OpenSequence), a sequence handed off
+  // to this node (ImportSequence), a decode step's new token.
+  enum class Asker : uint8_t { kOpen, kImport, kStep };
+  static constexpr int kAskers = 3;
+
   // Builds the pool of rank r (memory space and export are the factory's business: host,
   // shared memory or CUDA).
   using PoolFactory =
@@ -40,12 +51,22 @@ class KvPools {
   BlockPool& pool(int32_t rank) { return *pools_[static_cast<size_t>(rank)]; }
   const BlockPool& pool(int32_t rank) const { return *pools_[static_cast<size_t>(rank)]; }
   std::vector<BlockPoolUsage> Usage() const;
+  // Requests from `asker` refused RESOURCE_EXHAUSTED because a pool lacked the blocks (one
+  // per request, however many ranks were short), since the pools were made.
+  int64_t refused(Asker asker) const {
+    return refused_[static_cast<size_t>(asker)].load(std::memory_order_relaxed);
+  }
   // Removes the names of the pools in POSIX shared memory now (UnlinkSharedMemory of
   // kv_storage.h): for an exit that skips destructors. The memory stays mapped.
   void UnlinkSharedMemory();
 
  private:
+  friend class SequenceKv;  // counts the refusals: it is where every request leases
+  // Counts `status` against `asker` when it is a pool's refusal for lack of blocks.
+  void CountRefusal(Asker asker, const absl::Status& status);
+
   std::vector<std::unique_ptr<BlockPool>> pools_;
+  std::array<std::atomic<int64_t>, kAskers> refused_{};
 };
 
 class SequenceKv {
@@ -96,10 +117,13 @@ class SequenceKv {
   // Frees the last slot of the first `ranks` leases.
   void GiveBackLastSlot(size_t ranks);
 
-  SequenceKv(std::vector<BlockLease> leases, int64_t tokens_per_block)
-      : leases_(std::move(leases)), tokens_per_block_(tokens_per_block) {}
+  SequenceKv(std::vector<BlockLease> leases, KvPools* pools)
+      : leases_(std::move(leases)),
+        pools_(pools),
+        tokens_per_block_(pools->pool(0).layout().tokens_per_block) {}
 
   std::vector<BlockLease> leases_;  // one per rank
+  KvPools* pools_;                  // not owned; outlives the leases
   int64_t tokens_per_block_;
 };
 

@@ -79,8 +79,12 @@ def check_dashboard(args):
     queries = dl.dashboard_queries(d)
     titles = " ".join(p.get("title", "") for p in panels).lower()
     for topic in ("retained", "evicted", "retention ratio", "steps / s", "skipped", "p50 / p95 / p99",
-                  "pool usage per rank", "errors / s by code"):
+                  "pool usage per rank", "errors / s by code", "refused for lack of kv blocks",
+                  "tokens cached per block held", "fragmentation"):
         f.check(topic in titles, f'no panel about "{topic}"')
+    rows = [p.get("title") for p in d.get("panels", []) if p.get("type") == "row"]
+    for row in ("Retention", "Throughput", "Latency", "Pools", "Capacity", "Errors and health"):
+        f.check(row in rows, f'no row "{row}"')
     for where, expr in queries:
         for rng in re.findall(r"\[([^\]]*)\]", expr):
             f.check(rng == "$__rate_interval", f"{where}: range [{rng}] must be [$__rate_interval]")

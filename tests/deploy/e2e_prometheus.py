@@ -45,6 +45,7 @@ NAMESPACE, POD = "kvcache-e2e", "kvcached-e2e-0"
 RATE_INTERVAL = "15s"
 # Counters that only get series once something goes wrong: no data is expected.
 MAY_BE_EMPTY = {"kvcache_errors_total"}
+E2E_TOKENS_PER_BLOCK = 16
 
 
 def free_port():
@@ -143,7 +144,8 @@ class Run:
                 f"--drain_deadline={a.drain_seconds}s",
                 # Small host KV pools, so that the pool panels and rules see leased blocks.
                 "--tp_ranks=2", "--pool_memory_bytes=16777216", "--kv_layers=4", "--kv_heads=2",
-                "--kv_head_dim=16", "--kv_tokens_per_block=16", "--kv_shared_memory=false",
+                "--kv_head_dim=16", f"--kv_tokens_per_block={E2E_TOKENS_PER_BLOCK}",
+                "--kv_shared_memory=false",
                 # Eviction-quality diagnostics on every scoring step of every sequence, so
                 # that the dashboard's "Eviction quality" row has data.
                 "--diagnostics_every=1", "--diagnostics_sample=1.0"])
@@ -206,6 +208,7 @@ class Run:
                 r = api(prom, "/api/v1/query", query=expr)
                 self.f.check(r.get("status") == "success" and r["data"]["result"],
                              f"after the load, {expr} has no result: the load did not reach the engine")
+            self.check_capacity(prom)
             daemon.send_signal(signal.SIGTERM)
             try:
                 rc = daemon.wait(timeout=a.drain_seconds + 10)
@@ -213,6 +216,27 @@ class Run:
             except subprocess.TimeoutExpired:
                 self.f.fail(f"kvcached did not exit within {a.drain_seconds + 10}s of SIGTERM "
                             f"(--drain_deadline={a.drain_seconds}s)")
+
+    def check_capacity(self, prom):
+        """The capacity series (docs/METRICS.md "Capacity") against the flags and the load:
+        each expression holds for both ranks (it has one result per rank)."""
+        job = 'job="kvcached"'
+        for expr in (f"kvcache_pool_block_tokens{{{job}}} == {E2E_TOKENS_PER_BLOCK}",
+                     # The load's sequences held tokens in both ranks' pools.
+                     f"max_over_time(kvcache_pool_cached_tokens{{{job}}}[5m]) > 0",
+                     # Each rank caches what the open sequences hold, counted apart by the
+                     # sequence table (the load is over: nothing moves between the two reads).
+                     f"kvcache_pool_cached_tokens{{{job}}} == on (job) group_left "
+                     f"sum by (job) (kvcache_tokens_retained{{{job}}})",
+                     f"kvcache_pool_cached_tokens{{{job}}} <= kvcache_pool_used_blocks{{{job}}} "
+                     f"* kvcache_pool_block_tokens{{{job}}}"):
+            r = api(prom, "/api/v1/query", query=expr)
+            ranks = sorted(x["metric"].get("rank", "") for x in r.get("data", {}).get("result", []))
+            self.f.check(ranks == ["0", "1"], f"after the load, {expr} holds for ranks {ranks}, not 0 and 1")
+        # The pools are far larger than the load: nothing refused for lack of blocks.
+        refused = self.scalar(prom, f"sum(kvcache_pool_refused_total{{{job}}})")
+        self.f.check(refused is not None and float(refused) == 0,
+                     f"kvcache_pool_refused_total is {refused} with pools larger than the load")
 
     def scalar(self, prom, expr):
         r = api(prom, "/api/v1/query", query=expr)

@@ -1,6 +1,8 @@
 // kvcached with KV pools in POSIX shared memory. The test plays the worker: it maps each
 // rank's pool, writes every token's K and V where the daemon says, and checks after every
-// step (compaction included) that each cached token's bytes are where its slot says.
+// step (compaction included) that each cached token's bytes are where its slot says; and
+// that the capacity metrics (docs/METRICS.md) follow the pools: tokens cached, tokens a
+// block, requests refused for lack of blocks.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -9,6 +11,7 @@
 #include <map>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/server/daemon_process.h"
 
@@ -71,6 +74,16 @@ class Mapping {
   uint8_t* data_;
   int64_t bytes_;
 };
+
+// Every rank's pool caches `cache` tokens (the open sequences' cache sizes, summed) in
+// blocks of kTokensPerBlock.
+void ExpectCachedOnEveryRank(const std::string& metrics, int64_t cache, int ranks) {
+  for (int rank = 0; rank < ranks; ++rank) {
+    const std::string labels = absl::StrCat(R"({backend="host",rank=")", rank, R"("})");
+    EXPECT_EQ(MetricValue(metrics, "kvcache_pool_cached_tokens" + labels), cache) << rank;
+    EXPECT_EQ(MetricValue(metrics, "kvcache_pool_block_tokens" + labels), kTokensPerBlock);
+  }
+}
 
 TEST(KvPoolsDaemonTest, TheWorkersKvFollowsEveryDecisionThroughCompaction) {
   const int64_t capacity = 64;
@@ -157,13 +170,103 @@ TEST(KvPoolsDaemonTest, TheWorkersKvFollowsEveryDecisionThroughCompaction) {
   EXPECT_LE(MetricValue(metrics, R"(kvcache_pool_used_blocks{backend="host",rank="0"})"), 4);
   EXPECT_GE(MetricValue(metrics, R"(kvcache_pool_used_blocks{backend="host",rank="0"})"), 3);
   EXPECT_EQ(MetricValue(metrics, R"(kvcache_pool_block_bytes{backend="host",rank="0"})"), kBlockBytes);
+  ExpectCachedOnEveryRank(metrics, cache, 2);
+  EXPECT_EQ(MetricValue(metrics, R"(kvcache_pool_refused_total{rpc="OpenSequence"})"), 0);
 
-  // A pool too small for a prefill: RESOURCE_EXHAUSTED, nothing opened.
+  // A pool too small for a prefill: RESOURCE_EXHAUSTED, nothing opened, counted once.
   v1::OpenSequenceRequest huge = client::OpenRequest("huge", 10000, 0.9, "inertia");
   EXPECT_EQ(client->Open(huge).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(client->List()->size(), 1u);
+  const std::string refused = *HttpGet((*daemon)->metrics_address(), "/metrics");
+  EXPECT_EQ(MetricValue(refused, R"(kvcache_pool_refused_total{rpc="OpenSequence"})"), 1);
+  ExpectCachedOnEveryRank(refused, cache, 2);
   EXPECT_TRUE((*rank0)->Close().ok());
   EXPECT_TRUE((*rank1)->Close().ok());
+}
+
+// 8 blocks of 4 tokens a rank: two prefills of 16 tokens fill them.
+std::vector<std::string> SmallPools(int64_t blocks) {
+  return {"--backend=host", "--tp_ranks=1",
+          "--pool_memory_bytes=" + std::to_string(blocks * kBlockBytes), "--kv_layers=2",
+          "--kv_heads=1", "--kv_head_dim=4", "--kv_tokens_per_block=4", "--kv_dtype=float16"};
+}
+
+// One unary step of `id` over a cache of `cache` tokens; the sequence's decision.
+absl::StatusOr<v1::Decision> StepOnce(client::KvCacheClient& client, const std::string& id,
+                                      int64_t step, int64_t cache) {
+  v1::StepBatch batch;
+  const std::vector<float> scores(static_cast<size_t>(2 * (cache + 1)), 0.5f);
+  client::SetFloat32Scores(client::AddReport(&batch, id, step), scores, 2, 1);
+  absl::StatusOr<v1::DecisionBatch> decided = client.Step(batch);
+  if (!decided.ok()) return decided.status();
+  return decided->decisions(0);
+}
+
+double Metric(const DaemonProcess& daemon, const std::string& series) {
+  return MetricValue(*HttpGet(daemon.metrics_address(), "/metrics"), series);
+}
+
+TEST(KvPoolsDaemonTest, AFullPoolRefusesOpensAndStepsAndEachRefusalCountsOnce) {
+  auto daemon = DaemonProcess::Start(SmallPools(8));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto client = (*daemon)->Connect();
+  for (const char* id : {"a", "b"}) {
+    v1::OpenSequenceRequest open = client::OpenRequest(id, 16, 0, "inertia");
+    open.set_budget_tokens(6);
+    ASSERT_TRUE(client->Open(open).ok());
+  }
+  const std::string open_refused = R"(kvcache_pool_refused_total{rpc="OpenSequence"})";
+  const std::string step_refused = R"(kvcache_pool_refused_total{rpc="Step"})";
+  EXPECT_EQ(Metric(**daemon, open_refused), 0);
+  v1::OpenSequenceRequest small = client::OpenRequest("c", 4, 0, "inertia");
+  small.set_budget_tokens(2);
+  EXPECT_EQ(client->Open(small).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  const std::string after_open = *HttpGet((*daemon)->metrics_address(), "/metrics");
+  EXPECT_EQ(MetricValue(after_open, open_refused), 1);
+  EXPECT_EQ(MetricValue(after_open,
+                        R"(kvcache_errors_total{code="RESOURCE_EXHAUSTED",rpc="OpenSequence"})"),
+            1);
+  EXPECT_EQ(MetricValue(after_open, step_refused), 0);
+  EXPECT_EQ(MetricValue(after_open, R"(kvcache_pool_cached_tokens{backend="host",rank="0"})"), 32);
+
+  // a's 16 tokens fill its 4 blocks: the step's token finds no slot.
+  absl::StatusOr<v1::Decision> refused = StepOnce(*client, "a", 1, 16);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(Metric(**daemon, step_refused), 1);
+  EXPECT_EQ(Metric(**daemon, open_refused), 1);
+
+  // With b closed the step goes through, evicts to the budget and compacts.
+  ASSERT_TRUE(client->Close("b").ok());
+  absl::StatusOr<v1::Decision> stepped = StepOnce(*client, "a", 1, 16);
+  ASSERT_TRUE(stepped.ok() && stepped->code() == 0) << stepped.status();
+  const std::string after = *HttpGet((*daemon)->metrics_address(), "/metrics");
+  EXPECT_EQ(MetricValue(after, R"(kvcache_pool_cached_tokens{backend="host",rank="0"})"),
+            stepped->cache_size());
+  EXPECT_EQ(MetricValue(after, R"(kvcache_pool_used_blocks{backend="host",rank="0"})"),
+            (stepped->cache_size() + kTokensPerBlock - 1) / kTokensPerBlock);
+  EXPECT_EQ(MetricValue(after, step_refused), 1);
+  EXPECT_EQ(MetricValue(after, R"(kvcache_pool_refused_total{rpc="ImportSequence"})"), 0);
+}
+
+// An import into a pool too small for the sequence: refused for blocks, counted once on
+// the target, and nothing counted on the source.
+TEST(KvPoolsDaemonTest, AnImportIntoAFullPoolIsCountedOnTheTarget) {
+  auto source = DaemonProcess::Start(SmallPools(64));
+  auto target = DaemonProcess::Start(SmallPools(8));
+  ASSERT_TRUE(source.ok() && target.ok());
+  auto at_source = (*source)->Connect();
+  auto at_target = (*target)->Connect();
+  ASSERT_TRUE(at_source->Open(client::OpenRequest("s", 100, 0.5, "inertia")).ok());
+  const absl::StatusOr<v1::ImportSequenceResponse> imported =
+      at_target->ImportSequence("s", (*source)->grpc_address());
+  EXPECT_EQ(imported.status().code(), absl::StatusCode::kResourceExhausted) << imported.status();
+  const std::string series = R"(kvcache_pool_refused_total{rpc="ImportSequence"})";
+  EXPECT_EQ(Metric(**target, series), 1);
+  EXPECT_EQ(Metric(**target, R"(kvcache_pool_cached_tokens{backend="host",rank="0"})"), 0);
+  EXPECT_EQ(Metric(**source, series), 0);
+  EXPECT_EQ(Metric(**source, R"(kvcache_pool_cached_tokens{backend="host",rank="0"})"), 100);
 }
 
 TEST(KvPoolsDaemonTest, WithoutPoolsTheGaugesAreZeroAndDescribeIsEmpty) {
@@ -176,6 +279,12 @@ TEST(KvPoolsDaemonTest, WithoutPoolsTheGaugesAreZeroAndDescribeIsEmpty) {
   EXPECT_EQ(pools.pools_size(), 0);
   const std::string metrics = *HttpGet((*daemon)->metrics_address(), "/metrics");
   EXPECT_EQ(MetricValue(metrics, R"(kvcache_pool_capacity_blocks{backend="host",rank="0"})"), 0);
+  EXPECT_EQ(MetricValue(metrics, R"(kvcache_pool_cached_tokens{backend="host",rank="0"})"), 0);
+  EXPECT_EQ(MetricValue(metrics, R"(kvcache_pool_block_tokens{backend="host",rank="0"})"), 0);
+  for (const char* rpc : {"OpenSequence", "ImportSequence", "Step"}) {
+    EXPECT_EQ(MetricValue(metrics, absl::StrCat(R"(kvcache_pool_refused_total{rpc=")", rpc, R"("})")),
+              0);
+  }
 }
 
 TEST(KvPoolsDaemonTest, BadBackendFlagsAreRefusedAtStart) {
