@@ -44,6 +44,7 @@ v1::OpenSequenceRequest OpenRequest(const std::string& id,
   if (!header.preset.empty()) {
     r.mutable_policy()->set_preset(header.preset);
     r.mutable_policy()->set_seed(header.policy.seed);
+    r.mutable_policy()->set_span_pool(static_cast<int32_t>(header.policy.span_pool));
   } else {
     kvcm::server::ToProto(header.policy, r.mutable_policy());
     r.mutable_policy()->clear_preset();

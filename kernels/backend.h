@@ -29,6 +29,7 @@
 #include "kernels/score_matrix.h"
 #include "kernels/score_validation.h"
 #include "kernels/selection.h"
+#include "kernels/span_pool.h"
 #include "kernels/token_arrays.h"
 
 namespace kvcm::kernels {
@@ -43,6 +44,7 @@ namespace kvcm::kernels {
   X(WidenPartialSums, widen_partial_sums)     \
   X(ScaleJoinedSums, scale_joined_sums)       \
   X(CountInvalidScores, count_invalid_scores) \
+  X(SpanMaxPool, span_max_pool)               \
   X(SelectLowest, select_lowest)              \
   X(RemoveEntries, remove_entries)            \
   X(AppendEntry, append_entry)                \

@@ -124,6 +124,7 @@ absl::StatusOr<PolicyRequest> FromProto(const v1::Policy& p) {
   request.protect_sinks = p.protect_sinks();
   request.protect_recent = p.protect_recent();
   request.seed = p.seed();
+  request.span_pool = p.span_pool();
   return request;
 }
 
@@ -242,6 +243,7 @@ void ToProto(const Policy& policy, v1::Policy* out) {
   out->set_protect_sinks(policy.protect_sinks);
   out->set_protect_recent(policy.protect_recent);
   out->set_seed(policy.seed);
+  out->set_span_pool(static_cast<int32_t>(policy.span_pool));  // validated: 0 to 255
 }
 
 void ToProto(const SequenceStats& stats, v1::SequenceStats* out) {

@@ -9,6 +9,8 @@
 // - raw score r(i): what single_step would keep, (sum over the step's layer rows of
 //   s_l(i)) / layers, in float32, layers in order (the engine's single_step kernel); for
 //   a folded sequence the one folded row, i.e. the layer weighting of its fold weights.
+//   The rows as received, before span pooling (SPEC.md, "Span pooling"): R_t is what the
+//   query attended, so the figures measure a pooled policy against the attention itself.
 // - k = DiagnosticsTopK(B) = ceil(B / 10): the top decile of the budget. The paper ranks
 //   over the whole context, where its top-B is a tenth of the tokens at 90% compression;
 //   the engine sees scores only for its cache (B + 1 candidates in the steady state), where

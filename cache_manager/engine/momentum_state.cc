@@ -159,7 +159,8 @@ MomentumState::~MomentumState() {
   (void)mem.set_device(device_);
   (void)mem.synchronize(stream_, "releasing a sequence");
   arrays_.Release(mem);
-  for (void* p : {static_cast<void*>(invalid_), static_cast<void*>(mean_), scores_}) {
+  for (void* p : {static_cast<void*>(invalid_), static_cast<void*>(mean_), scores_,
+                  static_cast<void*>(pooled_)}) {
     mem.release(p);
   }
   mem.release_staging(staged_invalid_);
@@ -248,6 +249,9 @@ void MomentumState::ShrinkTo(int64_t budget) {
   backend_->mem.release(scores_);  // sized for the first step's scores
   scores_ = nullptr;
   score_bytes_ = 0;
+  backend_->mem.release(pooled_);  // likewise
+  pooled_ = nullptr;
+  pooled_bytes_ = 0;
 }
 
 void MomentumState::Append(int64_t position, float momentum) {
@@ -311,14 +315,36 @@ const void* MomentumState::ScoresInBackend(const kernels::ScoreMatrix& scores,
   return scores_;
 }
 
+kernels::ScoreMatrix MomentumState::PooledScores(const kernels::ScoreMatrix& scores,
+                                                 int64_t width) {
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(scores.layers, 0)) *
+                       static_cast<size_t>(std::max<int64_t>(scores.tokens, 0)) * sizeof(float);
+  if (bytes > pooled_bytes_) {
+    backend_->mem.release(pooled_);
+    pooled_ = nullptr;
+    pooled_bytes_ = 0;
+    if (!Check(Allocate(backend_->mem, static_cast<int64_t>(bytes / sizeof(float)), &pooled_))) {
+      return kernels::ScoreMatrix{};
+    }
+    pooled_bytes_ = bytes;
+  }
+  // The validation of the given scores carries over: an invalid score pools to NaN, which
+  // the update below counts.
+  backend_->span_max_pool(scores, arrays_.positions, width, pooled_, stream_);
+  return kernels::ScoreMatrix::Dense(pooled_, kernels::ScoreDtype::kFloat32, scores.layers,
+                                     scores.tokens);
+}
+
 int64_t MomentumState::ApplyScores(const kernels::ScoreMatrix& scores,
                                    const kernels::MomentumUpdateOptions& options,
-                                   ScoreSpace space) {
+                                   ScoreSpace space, int64_t span_pool) {
   KVCM_CHECK(scores.tokens == size_);
   const kernels::BackendMemory& mem = backend_->mem;
   if (!status_.ok() || !Check(mem.set_device(device_))) return 0;
   kernels::ScoreMatrix in_backend = scores;
   in_backend.data = ScoresInBackend(scores, space);
+  if (!status_.ok()) return 0;
+  if (span_pool > 1) in_backend = PooledScores(in_backend, span_pool);
   if (!status_.ok()) return 0;
   // Out of place: the momentum is replaced only once every score proved valid.
   backend_->update_momentum(arrays_.momentum, arrays_.scratch, size_, in_backend, options,

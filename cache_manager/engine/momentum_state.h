@@ -88,12 +88,17 @@ class MomentumState {
   // Removes the newest token (undoes Append).
   void PopBack();
 
-  // Folds [layers, size()] scores into the momentum of every cached token. Returns the
-  // number of invalid scores; when it is non-zero the momentum is unchanged.
-  // REQUIRES: scores.tokens == size(); scores in `space` (kHost on a host backend).
+  // Folds [layers, size()] scores into the momentum of every cached token. Returns
+  // non-zero when some score is invalid (the count of invalid scores without pooling); the
+  // momentum is then unchanged. `span_pool` > 1: each row is first max-pooled over that
+  // many positions (kernels/span_pool.h, SPEC.md "Span pooling") into a buffer the state
+  // keeps (grown to the largest step's [layers, size()] f32, released by ShrinkTo); the
+  // validity is still that of the given scores.
+  // REQUIRES: scores.tokens == size(); scores in `space` (kHost on a host backend);
+  // span_pool 0, 1 or a width of kernels/span_pool.h.
   int64_t ApplyScores(const kernels::ScoreMatrix& scores,
                       const kernels::MomentumUpdateOptions& options,
-                      ScoreSpace space = ScoreSpace::kHost);
+                      ScoreSpace space = ScoreSpace::kHost, int64_t span_pool = 0);
 
   // The first invalid score of `scores` (same contract as ApplyScores), for the error
   // message of a rejected step.
@@ -167,6 +172,9 @@ class MomentumState {
   // Where the kernels read `scores` from: in place, or uploaded into `scores_`.
   // Null on failure.
   const void* ScoresInBackend(const kernels::ScoreMatrix& scores, ScoreSpace space);
+  // `scores` (in the backend's memory) max-pooled over `width` positions into `pooled_`,
+  // as a dense f32 matrix there. data == nullptr on failure.
+  kernels::ScoreMatrix PooledScores(const kernels::ScoreMatrix& scores, int64_t width);
   // `count` values the kernels write to `src` (the backend's memory) as host memory,
   // readable after the next synchronize. Null on failure.
   template <typename T>
@@ -192,6 +200,8 @@ class MomentumState {
   double* staged_mean_ = nullptr;      // [1] host staging (device backends)
   void* scores_ = nullptr;             // host scores uploaded for a step (device backends)
   size_t score_bytes_ = 0;
+  float* pooled_ = nullptr;            // span-pooled rows of a step (span_pool > 1 only)
+  size_t pooled_bytes_ = 0;
   // index_scratch(), [capacity] host; a host backend's selection keys.
   std::vector<uint64_t> index_scratch_;
 

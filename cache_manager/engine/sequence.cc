@@ -41,6 +41,7 @@ absl::StatusOr<ResolvedOptions> Resolve(const SequenceOptions& options) {
   if (!options.preset.empty()) {
     ASSIGN_OR_RETURN(r.policy, Policy::FromPreset(options.preset, r.budget));
     r.policy.seed = options.policy.seed;
+    r.policy.span_pool = options.policy.span_pool;
   }
   RETURN_IF_ERROR(r.policy.Validate(r.budget));
   return r;
@@ -270,7 +271,8 @@ absl::Status Sequence::Step(int64_t step, const kernels::ScoreMatrix* scores,
     }
     RETURN_IF_ERROR(CheckScores(step, *scores));
     state_.Append(new_position, 0.0f);
-    const int64_t invalid = state_.ApplyScores(*scores, update_options_, space);
+    const int64_t invalid =
+        state_.ApplyScores(*scores, update_options_, space, policy_.span_pool);
     if (invalid != 0) {
       state_.PopBack();
       return DescribeInvalidScore(step, *scores, space);

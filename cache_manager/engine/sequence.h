@@ -53,7 +53,7 @@ struct SequenceOptions {
   int64_t prefill_len = 0;
   BudgetSpec budget;
   // When non-empty, the policy is this preset (Policy::FromPreset) and only `policy.seed`
-  // is taken from `policy`; otherwise `policy` is used as given.
+  // and `policy.span_pool` are taken from `policy`; otherwise `policy` is used as given.
   std::string preset;
   Policy policy;
   // kFolded: every scoring step carries one row, the step's `layers` layer rows folded

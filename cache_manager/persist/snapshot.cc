@@ -144,7 +144,10 @@ class Writer {
 
 class Reader {
  public:
-  explicit Reader(absl::string_view in) : in_(in) {}
+  // `version`: the format version of the bytes, for fields that later versions added.
+  explicit Reader(absl::string_view in, uint32_t version = kSnapshotVersion)
+      : in_(in), version_(version) {}
+  uint32_t version() const { return version_; }
 
   template <typename T>
   absl::Status Get(absl::string_view what, T* value) {
@@ -190,6 +193,7 @@ class Reader {
     return absl::DataLossError(absl::StrCat("snapshot: truncated at ", what));
   }
   absl::string_view in_;
+  uint32_t version_;
 };
 
 template <typename E>
@@ -206,6 +210,7 @@ void PutPolicy(Writer& w, const Policy& p) {
   w.Put<int64_t>(p.protect_sinks);
   w.Put<int64_t>(p.protect_recent);
   w.Put<uint64_t>(p.seed);
+  w.Put<int64_t>(p.span_pool);  // since version 2
   w.PutString(p.preset);
 }
 
@@ -217,6 +222,8 @@ absl::Status GetPolicy(Reader& r, Policy* p) {
   RETURN_IF_ERROR(r.Get("policy protect_sinks", &p->protect_sinks));
   RETURN_IF_ERROR(r.Get("policy protect_recent", &p->protect_recent));
   RETURN_IF_ERROR(r.Get("policy seed", &p->seed));
+  p->span_pool = 0;  // version 1 has none: pooling did not exist
+  if (r.version() >= 2) RETURN_IF_ERROR(r.Get("policy span_pool", &p->span_pool));
   return r.GetString("policy preset", &p->preset);
 }
 
@@ -359,9 +366,10 @@ absl::StatusOr<EngineSnapshot> DecodeSnapshot(absl::string_view bytes) {
   RETURN_IF_ERROR(header.Get("flags", &flags));
   RETURN_IF_ERROR(header.Get("payload size", &payload_bytes));
   RETURN_IF_ERROR(header.Get("checksum", &crc));
-  if (version != kSnapshotVersion) {
-    return absl::DataLossError(absl::StrCat("snapshot: version ", version, "; this kvcached reads version ",
-                                            kSnapshotVersion));
+  if (version < kOldestSnapshotVersion || version > kSnapshotVersion) {
+    return absl::DataLossError(absl::StrCat("snapshot: version ", version,
+                                            "; this kvcached reads versions ",
+                                            kOldestSnapshotVersion, " to ", kSnapshotVersion));
   }
   if (flags != 0) return absl::DataLossError(absl::StrCat("snapshot: unknown flags ", flags));
   const absl::string_view body = bytes.substr(kHeaderBytes);
@@ -374,7 +382,7 @@ absl::StatusOr<EngineSnapshot> DecodeSnapshot(absl::string_view bytes) {
     return absl::DataLossError(absl::StrCat("snapshot: checksum mismatch (header ", crc,
                                             ", payload ", actual, ")"));
   }
-  Reader r(body);
+  Reader r(body, version);
   EngineSnapshot snapshot;
   RETURN_IF_ERROR(r.Get("pid", &snapshot.pid));
   uint32_t pools = 0;
@@ -486,16 +494,17 @@ absl::StatusOr<SequenceRecord> DecodeSequenceRecord(absl::string_view bytes) {
   uint32_t version = 0, crc = 0;
   RETURN_IF_ERROR(header.Get("version", &version));
   RETURN_IF_ERROR(header.Get("checksum", &crc));
-  if (version != kSnapshotVersion) {
+  if (version < kOldestSnapshotVersion || version > kSnapshotVersion) {
     return absl::DataLossError(absl::StrCat("sequence record: version ", version,
-                                            "; this kvcached reads version ", kSnapshotVersion));
+                                            "; this kvcached reads versions ",
+                                            kOldestSnapshotVersion, " to ", kSnapshotVersion));
   }
   const absl::string_view body = bytes.substr(kRecordHeaderBytes);
   if (const uint32_t actual = Crc32c(body); actual != crc) {
     return absl::DataLossError(absl::StrCat("sequence record: checksum mismatch (header ", crc,
                                             ", payload ", actual, ")"));
   }
-  Reader r(body);
+  Reader r(body, version);
   SequenceRecord record;
   RETURN_IF_ERROR(GetSequence(r, &record));
   if (r.left() != 0) {

@@ -10,7 +10,8 @@
 // (ABORTED to the ranks that reported), so they are sent again with nothing changed.
 //
 // The file (little-endian):
-//   magic "KVCMSNAP" | u32 version (kSnapshotVersion) | u32 flags (0) |
+//   magic "KVCMSNAP" | u32 version (kSnapshotVersion; kOldestSnapshotVersion and up are
+//   read) | u32 flags (0) |
 //   u64 payload bytes | u32 CRC32C of the payload | payload
 // Every length inside the payload is checked against the bytes that remain before
 // anything is allocated, so a damaged file is an error, never a huge allocation.
@@ -33,7 +34,11 @@
 namespace kvcm {
 
 inline constexpr char kSnapshotMagic[8] = {'K', 'V', 'C', 'M', 'S', 'N', 'A', 'P'};
-inline constexpr uint32_t kSnapshotVersion = 1;
+// The version written. Version 2 added the policy's span_pool (after its seed); version 1
+// files and records are still read, their policies with span_pool 0 (off), which is what
+// every version 1 daemon ran.
+inline constexpr uint32_t kSnapshotVersion = 2;
+inline constexpr uint32_t kOldestSnapshotVersion = 1;
 // The file's name inside --state_dir.
 inline constexpr char kSnapshotFileName[] = "kvcached.snapshot";
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cache_manager/base/status_macros.h"
+#include "kernels/span_pool.h"
 
 namespace kvcm {
 namespace {
@@ -58,6 +59,24 @@ absl::StatusOr<Policy> ExpandPreset(const PresetRow& row, int64_t budget) {
   p.protect_sinks = row.protect_sinks;
   p.preset = std::string(row.name);
   return p;
+}
+
+// SPEC.md, "Span pooling": 0 or 1 is off; otherwise an odd width in range, and only for
+// an aggregation that reads scores (there is nothing else to pool).
+absl::Status ValidateSpanPool(const Policy& policy) {
+  const int64_t k = policy.span_pool;
+  if (k == 0 || k == 1) return absl::OkStatus();
+  if (k < kernels::kMinSpanPoolWidth || k > kernels::kMaxSpanPoolWidth || k % 2 == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.span_pool is ", k, "; it must be 0 or 1 (off) or odd, ",
+        kernels::kMinSpanPoolWidth, " to ", kernels::kMaxSpanPoolWidth));
+  }
+  if (!policy.UsesScores()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.span_pool needs an aggregation that reads scores (ema, cumulative or "
+        "single_step); ", AggregationName(policy.aggregation), " reads none"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -127,6 +146,7 @@ absl::Status Policy::Validate(int64_t budget) const {
   if (AggregationName(aggregation) == "unknown" || RefreshName(refresh) == "unknown") {
     return absl::InvalidArgumentError("policy has an unknown aggregation or refresh value");
   }
+  RETURN_IF_ERROR(ValidateSpanPool(*this));
   // Both are >= 0 here, so this is protect_sinks + protect_recent > budget without the
   // sum, which a client can make wrap around.
   if (protect_sinks > budget || protect_recent > budget - protect_sinks) {
@@ -166,6 +186,7 @@ std::string Policy::DebugString() const {
   if (protect_sinks > 0) absl::StrAppend(&out, " sinks=", protect_sinks);
   if (protect_recent > 0) absl::StrAppend(&out, " recent=", protect_recent);
   if (aggregation == Aggregation::kRandom) absl::StrAppend(&out, " seed=", seed);
+  if (PoolsSpans()) absl::StrAppend(&out, " span_pool=", span_pool);
   return out;
 }
 
@@ -182,7 +203,8 @@ std::string Policy::Label() const {
 bool operator==(const Policy& a, const Policy& b) {
   return a.aggregation == b.aggregation && a.alpha == b.alpha && a.refresh == b.refresh &&
          a.refresh_interval == b.refresh_interval && a.protect_sinks == b.protect_sinks &&
-         a.protect_recent == b.protect_recent && a.seed == b.seed;
+         a.protect_recent == b.protect_recent && a.seed == b.seed &&
+         a.span_pool == b.span_pool;
 }
 
 }  // namespace kvcm

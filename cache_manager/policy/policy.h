@@ -33,6 +33,9 @@ struct Policy {
   int64_t protect_sinks = 0;     // positions < protect_sinks are never evicted
   int64_t protect_recent = 0;    // the protect_recent newest cached tokens are never evicted
   uint64_t seed = 0;             // random only
+  // Span pooling (SPEC.md, "Span pooling"): each score row is max-pooled over a window of
+  // this many positions before it becomes momentum. 0 or 1: off; else odd, 3 to 255.
+  int64_t span_pool = 0;
   // The preset this policy was expanded from, or empty for a policy given field by field.
   // Informational (metrics, introspection); it never changes behaviour.
   std::string preset;
@@ -48,6 +51,8 @@ struct Policy {
 
   // Whether the aggregation reads attention scores at all (recency and random do not).
   bool UsesScores() const;
+  // Whether scoring steps max-pool their rows over positions (span_pool > 1).
+  bool PoolsSpans() const { return span_pool > 1; }
   // Whether decode step t (t >= 1) is a scoring step: SPEC.md, "A step".
   bool IsScoringStep(int64_t step) const;
 

@@ -19,7 +19,8 @@ absl::StatusOr<RequestedPolicy> ResolvePolicyRequest(const PolicyRequest& reques
     }
     out.preset = request.preset;
   } else if (!request.HasFields()) {
-    out.preset = std::string(kDefaultPreset);  // a seed alone changes nothing else
+    // A seed or a span_pool alone changes nothing else.
+    out.preset = std::string(kDefaultPreset);
   } else {
     if (request.aggregation) out.policy.aggregation = *request.aggregation;
     if (request.alpha) out.policy.alpha = *request.alpha;
@@ -29,6 +30,7 @@ absl::StatusOr<RequestedPolicy> ResolvePolicyRequest(const PolicyRequest& reques
     out.policy.protect_recent = request.protect_recent;
   }
   out.policy.seed = request.seed;
+  out.policy.span_pool = request.span_pool;
   return out;
 }
 

@@ -1,8 +1,8 @@
 // PolicyRequest: a policy as a client asks for it at open: a preset's name, or fields that
 // override the defaults of Policy, or nothing. The rules that turn it into the policy the
 // sequence gets live here, not in the translation from the wire (server/translate.cc):
-// nothing asked means the default preset; a preset excludes the fields (a seed may go
-// with either). Plain values; thread-compatible.
+// nothing asked means the default preset; a preset excludes the fields (a seed and a
+// span_pool may go with either). Plain values; thread-compatible.
 #ifndef KVCM_CACHE_MANAGER_POLICY_POLICY_REQUEST_H_
 #define KVCM_CACHE_MANAGER_POLICY_POLICY_REQUEST_H_
 
@@ -29,13 +29,16 @@ struct PolicyRequest {
   int64_t protect_sinks = 0;
   int64_t protect_recent = 0;
   uint64_t seed = 0;  // with a preset or with the fields
+  // With a preset or with the fields: span pooling is orthogonal to the aggregation it
+  // feeds (SPEC.md, "Span pooling"), so `inertia` + span_pool 7 is a valid request.
+  int64_t span_pool = 0;
 
-  // Whether any policy field (not the preset, not the seed) was given.
+  // Whether any policy field (not the preset, the seed or span_pool) was given.
   bool HasFields() const;
 };
 
-// What SequenceOptions takes: a preset to expand (Policy::FromPreset; only policy.seed is
-// read then), or, with an empty preset, the policy as given.
+// What SequenceOptions takes: a preset to expand (Policy::FromPreset; only policy.seed and
+// policy.span_pool are read then), or, with an empty preset, the policy as given.
 struct RequestedPolicy {
   std::string preset;
   Policy policy;

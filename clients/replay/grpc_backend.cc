@@ -1,6 +1,7 @@
 #include "clients/replay/grpc_backend.h"
 
 #include <algorithm>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -30,6 +31,10 @@ v1::OpenSequenceRequest ToRequest(const std::string& id, const SequenceOptions& 
   if (options.budget.compression_ratio) r.set_compression_ratio(*options.budget.compression_ratio);
   v1::Policy* p = r.mutable_policy();
   p->set_seed(options.policy.seed);
+  // Out of int32's range is out of the valid range too: saturate so the daemon refuses it.
+  p->set_span_pool(static_cast<int32_t>(std::clamp<int64_t>(
+      options.policy.span_pool, std::numeric_limits<int32_t>::min(),
+      std::numeric_limits<int32_t>::max())));
   if (!options.preset.empty()) {
     p->set_preset(options.preset);
   } else {

@@ -67,7 +67,7 @@ absl::StatusOr<Policy> ParsePolicy(const json& p, std::string* preset) {
       if (!v.is_number()) return absl::InvalidArgumentError("policy \"alpha\" must be a number");
       policy.alpha = v.get<double>();
     } else if (key == "refresh_interval" || key == "protect_sinks" || key == "protect_recent" ||
-               key == "seed") {
+               key == "seed" || key == "span_pool") {
       if (!v.is_number_integer()) {
         return absl::InvalidArgumentError(
             absl::StrCat("policy \"", key, "\" must be an integer"));
@@ -76,6 +76,7 @@ absl::StatusOr<Policy> ParsePolicy(const json& p, std::string* preset) {
       if (key == "protect_sinks") policy.protect_sinks = v.get<int64_t>();
       if (key == "protect_recent") policy.protect_recent = v.get<int64_t>();
       if (key == "seed") policy.seed = v.get<uint64_t>();
+      if (key == "span_pool") policy.span_pool = v.get<int64_t>();  // checked at open
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown policy field \"", key, "\""));
     }

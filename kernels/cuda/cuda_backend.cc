@@ -12,6 +12,7 @@
 #include "kernels/cuda/momentum_update_cuda.h"
 #include "kernels/cuda/score_validation_cuda.h"
 #include "kernels/cuda/selection_cuda.h"
+#include "kernels/cuda/span_pool_cuda.h"
 #include "kernels/cuda/token_arrays_cuda.h"
 
 namespace kvcm::kernels::cuda {

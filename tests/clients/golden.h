@@ -13,6 +13,11 @@
 namespace kvcm::testing {
 
 inline std::string GoldenDir() { return std::string(KVCM_TEST_DATA_DIR) + "/golden"; }
+// The golden vectors of span pooling (SPEC.md, "Span pooling"), apart from the shared ones:
+// written by tests/python/make_span_pool_golden.py.
+inline std::string SpanPoolGoldenDir() {
+  return std::string(KVCM_TEST_DATA_DIR) + "/golden_span_pool";
+}
 
 // Names NAME of every NAME.trace.jsonl in `dir` (default: the golden directory), sorted.
 inline std::vector<std::string> GoldenNames(const std::string& dir = GoldenDir()) {

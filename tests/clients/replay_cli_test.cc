@@ -193,6 +193,24 @@ TEST_F(ReplayCliTest, InvalidPolicy) {
   EXPECT_TRUE(r.out.empty());
 }
 
+// SPEC.md "Span pooling": the header's span_pool is replayed (every span-pooled golden, as
+// the float64 model decided it), and a bad one is refused naming the field.
+TEST_F(ReplayCliTest, SpanPoolFromTheHeaderIsReplayedAndABadOneIsNamed) {
+  const std::string dir = ::kvcm::testing::SpanPoolGoldenDir();
+  for (const std::string& name : GoldenNames(dir)) {
+    const Result r = Run(absl::StrCat("--trace ", dir, "/", name, ".trace.jsonl --tp 2"));
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.err;
+    EXPECT_EQ(r.out, ReadFile(dir + "/" + name + ".decisions.jsonl")) << name;
+  }
+  const std::string path = Write(
+      "t.jsonl",
+      R"({"format":"kvtrace/1","prefill_len":10,"budget_tokens":4,"policy":{"span_pool":4}})"
+      "\n{\"step\":1}\n");
+  const Result r = Run("--trace " + path);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("policy.span_pool is 4"));
+}
+
 TEST_F(ReplayCliTest, BothBudgetsOrNeither) {
   const std::string both = Write(
       "b.jsonl", R"({"format":"kvtrace/1","prefill_len":10,"budget_tokens":4,"compression_ratio":0.5})" "\n");

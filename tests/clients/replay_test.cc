@@ -17,9 +17,10 @@ using ::kvcm::testing::GoldenDir;
 using ::kvcm::testing::GoldenNames;
 using ::kvcm::testing::ReadFile;
 
-std::string Replay(const std::string& name, int32_t tp, bool momentum = false) {
+std::string Replay(const std::string& name, int32_t tp, bool momentum = false,
+                   const std::string& dir = GoldenDir()) {
   ReplayOptions options;
-  options.trace_path = GoldenDir() + "/" + name + ".trace.jsonl";
+  options.trace_path = dir + "/" + name + ".trace.jsonl";
   options.tp_ranks = tp;
   options.with_momentum = momentum;
   std::ostringstream out;
@@ -75,6 +76,23 @@ TEST_P(GoldenReplayTest, MomentumOutputDescribesTheCacheAfterEachStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllGoldenVectors, GoldenReplayTest, ::testing::ValuesIn(GoldenNames()),
+                         [](const auto& test_param) { return test_param.param; });
+
+// Span pooling (SPEC.md, "Span pooling"): the header's span_pool reaches the engine, which
+// pools the joined rows, so the decisions are those of the float64 model at every rank count.
+class SpanPoolGoldenReplayTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SpanPoolGoldenReplayTest, ReproducesTheDecisionsExactlyAloneAndJoined) {
+  const std::string dir = ::kvcm::testing::SpanPoolGoldenDir();
+  const std::string want = ReadFile(dir + "/" + GetParam() + ".decisions.jsonl");
+  ASSERT_FALSE(want.empty());
+  for (int32_t tp : {1, 2, 3}) {
+    EXPECT_EQ(Replay(GetParam(), tp, /*momentum=*/false, dir), want) << "tp " << tp;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllSpanPoolVectors, SpanPoolGoldenReplayTest,
+                         ::testing::ValuesIn(GoldenNames(::kvcm::testing::SpanPoolGoldenDir())),
                          [](const auto& test_param) { return test_param.param; });
 
 TEST(ReplaySummaryTest, CountsScoringSkippedAndIgnoredSteps) {

@@ -20,12 +20,14 @@
 #include "kernels/cuda/momentum_update_cuda.h"
 #include "kernels/cuda/score_validation_cuda.h"
 #include "kernels/cuda/selection_cuda.h"
+#include "kernels/cuda/span_pool_cuda.h"
 #include "kernels/cuda/token_arrays_cuda.h"
 #include "kernels/half_float.h"
 #include "kernels/kv_compaction.h"
 #include "kernels/momentum_update.h"
 #include "kernels/score_validation.h"
 #include "kernels/selection.h"
+#include "kernels/span_pool.h"
 #include "kernels/token_arrays.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -273,6 +275,43 @@ TEST_P(ScoreKernelParityTest, AnInvalidOutOfPlaceUpdateLeavesTheMomentumUntouche
   KVCM_ASSERT_KERNELS_OK("UpdateMomentum");
   EXPECT_EQ(invalid.Download()[0], 1);
   EXPECT_EQ(FirstMismatch(in.Download(), momentum), -1);
+}
+
+// Span pooling (kernels/span_pool.h): the deque of the CPU and the binary search of the
+// GPU pool the same windows over positions with gaps; an invalid score is NaN on both.
+TEST_P(ScoreKernelParityTest, SpanMaxPoolIsBitIdenticalOverPositionsWithGaps) {
+  std::mt19937_64 rng(static_cast<uint64_t>(n()));
+  std::vector<int64_t> positions;
+  for (int64_t i = 0, p = 3; i < n(); ++i, p += 1 + static_cast<int64_t>(rng() % 4)) {
+    positions.push_back(p);
+  }
+  DeviceArray<int64_t> device_positions(positions);
+  for (int bad : {0, 3}) {
+    const HostScores scores = MakeScores(dtype(), kLayers, n(), kPad, 77, bad);
+    DeviceArray<uint8_t> device_scores(scores.bytes);
+    for (int64_t width : {3, 15, 255}) {
+      SCOPED_TRACE(Describe(dtype(), n()) + " width " + std::to_string(width) + " bad " +
+                   std::to_string(bad));
+      std::vector<float> cpu_out(static_cast<size_t>(kLayers * n()));
+      cpu::SpanMaxPool(scores.Host(), positions.data(), width, cpu_out.data(), nullptr);
+      DeviceArray<float> out(static_cast<size_t>(kLayers * n()));
+      cuda::SpanMaxPool(scores.At(device_scores.get()), device_positions.get(), width, out.get(),
+                        nullptr);
+      KVCM_ASSERT_KERNELS_OK("SpanMaxPool");
+      const std::vector<float> gpu_out = out.Download();
+      for (int64_t l = 0; l < kLayers; ++l) {
+        for (int64_t i = 0; i < n(); ++i) {
+          const size_t at = static_cast<size_t>(l * n() + i);
+          const float own = ScoreAt(scores.Host(), l, i);
+          if (!(own >= 0.0f && own <= FLT_MAX)) {
+            ASSERT_TRUE(std::isnan(cpu_out[at]) && std::isnan(gpu_out[at])) << l << "," << i;
+          } else if (bad == 0) {
+            ASSERT_EQ(cpu_out[at], gpu_out[at]) << "layer " << l << " index " << i;
+          }
+        }
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

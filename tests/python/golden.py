@@ -1,5 +1,5 @@
-"""The golden vectors of tests/data/golden (SPEC.md "Trace files") and a replay through a
-SequenceBatch."""
+"""The golden vectors of tests/data/golden (SPEC.md "Trace files"), those of span pooling
+(tests/data/golden_span_pool, SPEC.md "Span pooling") and a replay through a SequenceBatch."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from kvcache_client import Policy, SequenceBatch
 
 GOLDEN_DIR = REPO_ROOT / "tests" / "data" / "golden"
 NAMES = sorted(p.name[:-len(".trace.jsonl")] for p in GOLDEN_DIR.glob("*.trace.jsonl"))
+SPAN_POOL_DIR = REPO_ROOT / "tests" / "data" / "golden_span_pool"
+SPAN_POOL_NAMES = sorted(p.name[:-len(".trace.jsonl")]
+                         for p in SPAN_POOL_DIR.glob("*.trace.jsonl"))
 FIELDS = ("step", "evicted", "cache_size", "next_needs_scores")
 
 
@@ -38,9 +41,9 @@ def _lines(path: Path) -> List[Dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def load(name: str) -> Trace:
-    trace = _lines(GOLDEN_DIR / f"{name}.trace.jsonl")
-    decisions = _lines(GOLDEN_DIR / f"{name}.decisions.jsonl")
+def load(name: str, directory: Path = GOLDEN_DIR) -> Trace:
+    trace = _lines(directory / f"{name}.trace.jsonl")
+    decisions = _lines(directory / f"{name}.decisions.jsonl")
     assert trace[0]["format"] == "kvtrace/1"
     return Trace(name, trace[0], trace[1:], [{k: d[k] for k in FIELDS} for d in decisions])
 

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, NamedTuple
 import pytest
 
 from kvcache_client import KvCacheClient, Scores, encode_scores
-from golden import NAMES, Trace, load, quantize, replay, scale
+from golden import (NAMES, SPAN_POOL_DIR, SPAN_POOL_NAMES, Trace, load, quantize, replay,
+                    scale)
 
 try:
     import numpy as np
@@ -80,6 +81,19 @@ def test_golden_float32(transport, seq_id, name):
         if transport.name != "inline":
             assert (batch.score_region.region_reports, batch.score_region.inline_reports) == (
                 scored, 0)
+
+
+def test_span_pool_goldens_in_one_batch(transport, seq_id):
+    """SPEC.md "Span pooling": the policy's span_pool crosses the client and the wire, and
+    the daemon decides as the float64 model did."""
+    traces = [load(n, SPAN_POOL_DIR) for n in SPAN_POOL_NAMES]
+    assert len(traces) >= 6 and all(t.header["policy"]["span_pool"] > 1 for t in traces)
+    with transport.batch() as batch:
+        by_id = open_all(batch, seq_id, traces)
+        for sid, trace in by_id.items():
+            assert transport.client.inspect(sid).policy.span_pool == trace.header["policy"][
+                "span_pool"]
+        assert_matches(replay(batch, by_id), by_id)
 
 
 def test_all_goldens_in_one_batch(transport, seq_id):

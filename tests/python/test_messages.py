@@ -28,6 +28,15 @@ def test_presets_send_only_name_and_seed():
     assert Policy.coerce(None).preset == "inertia"
 
 
+def test_span_pool_is_sent_with_fields_and_with_a_preset():
+    assert Policy(span_pool=7).to_proto().span_pool == 7
+    message = Policy.from_preset("inertia", span_pool=9).to_proto()
+    assert (message.preset, message.span_pool) == ("inertia", 9)
+    assert Policy.coerce({"preset": "tova", "span_pool": 3}).to_proto().span_pool == 3
+    assert Policy().to_proto().span_pool == 0
+    assert Policy.from_proto(pb.Policy(preset="inertia", span_pool=5)).span_pool == 5
+
+
 def test_policy_from_a_trace_header():
     policy = Policy.coerce({"aggregation": "ema", "alpha": 0.8, "refresh": "lazy",
                             "refresh_interval": 4})

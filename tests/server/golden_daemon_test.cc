@@ -28,12 +28,13 @@ struct Replay {
   int32_t tp = 1;
   bool folded = false;
   bool momentum = false;
+  std::string dir = testing::GoldenDir();  // where the trace lies
 };
 
 // The decisions (JSON Lines) of one replay of a golden trace through `backend`.
 absl::StatusOr<std::string> RunGolden(const Replay& r, replay::ReplayBackend& backend) {
   replay::ReplayOptions options;
-  options.trace_path = testing::GoldenDir() + "/" + r.golden + ".trace.jsonl";
+  options.trace_path = r.dir + "/" + r.golden + ".trace.jsonl";
   options.sequence_id = r.sequence_id;
   options.tp_ranks = r.tp;
   options.folded = r.folded;
@@ -51,8 +52,8 @@ absl::StatusOr<std::string> RunGoldenThroughDaemon(const Replay& r, const std::s
   return RunGolden(r, *backend);
 }
 
-std::string Want(const std::string& golden) {
-  return testing::ReadFile(testing::GoldenDir() + "/" + golden + ".decisions.jsonl");
+std::string Want(const std::string& golden, const std::string& dir = testing::GoldenDir()) {
+  return testing::ReadFile(dir + "/" + golden + ".decisions.jsonl");
 }
 
 class GoldenThroughDaemonTest : public ::testing::TestWithParam<std::string> {
@@ -140,6 +141,43 @@ TEST_P(GoldenThroughDaemonTest, FoldedDecidesLikeTheEmbeddedEngineFolded) {
 INSTANTIATE_TEST_SUITE_P(AllGoldenVectors, GoldenThroughDaemonTest,
                          ::testing::ValuesIn(testing::GoldenNames()),
                          [](const auto& test_param) { return test_param.param; });
+
+// Span pooling (SPEC.md, "Span pooling") through the daemon: the policy's span_pool crosses
+// the wire, and every span-pooled golden decides exactly as the float64 model did, alone
+// and across ranks (the daemon pools the joined rows), inline and through score regions,
+// on the CPU engine and on the device path (the emulated device); folded, as the embedded
+// engine folds.
+TEST(GoldenSpanPoolDaemonTest, MatchesTheSpanPoolGoldenVectorsOnEveryEngine) {
+  const std::string dir = testing::SpanPoolGoldenDir();
+  std::unique_ptr<replay::ReplayBackend> embedded = replay::NewEmbeddedBackend();
+  for (const char* engine : {"cpu", "emulated"}) {
+    auto daemon = testing::DaemonProcess::Start(
+        {absl::StrCat("--engine_backend=", engine), "--allow_shm_scores"});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    for (const std::string& golden : testing::GoldenNames(dir)) {
+      for (int32_t tp : {1, 2}) {
+        for (ScoreTransport transport : {ScoreTransport::kGrpc, ScoreTransport::kCreated}) {
+          const Replay r{.golden = golden,
+                         .sequence_id = absl::StrCat(golden, "-", engine, "-tp", tp, "-",
+                                                     replay::ScoreTransportName(transport)),
+                         .tp = tp, .dir = dir};
+          absl::StatusOr<std::string> got =
+              RunGoldenThroughDaemon(r, (*daemon)->grpc_address(), transport);
+          ASSERT_TRUE(got.ok()) << r.sequence_id << ": " << got.status();
+          EXPECT_EQ(*got, Want(golden, dir)) << r.sequence_id;
+        }
+      }
+      Replay folded{.golden = golden, .sequence_id = absl::StrCat(golden, "-", engine, "-folded"),
+                    .folded = true, .momentum = true, .dir = dir};
+      absl::StatusOr<std::string> want = RunGolden(folded, *embedded);
+      absl::StatusOr<std::string> got =
+          RunGoldenThroughDaemon(folded, (*daemon)->grpc_address(), ScoreTransport::kGrpc);
+      ASSERT_TRUE(want.ok() && got.ok()) << want.status() << " " << got.status();
+      EXPECT_EQ(*got, *want) << folded.sequence_id;
+    }
+    EXPECT_EQ((*daemon)->SignalAndWait(SIGTERM, absl::Seconds(30)), 0);
+  }
+}
 
 TEST(GoldenShmTransportTest, NeedsADaemonThatAllowsShmScores) {
   auto daemon = testing::DaemonProcess::Start();

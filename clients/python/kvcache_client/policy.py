@@ -64,8 +64,8 @@ class Policy:
     """How scores become momentum and which steps need scores.
 
     ``Policy(aggregation="ema", alpha=0.8, refresh="lazy", refresh_interval=4)``, or a preset:
-    ``Policy(preset="h2o")``: with a preset only it and ``seed`` are sent (so a resolved
-    policy from ``inspect()`` re-sends as its preset). ``alpha`` and
+    ``Policy(preset="h2o")``: with a preset only it, ``seed`` and ``span_pool`` are sent
+    (so a resolved policy from ``inspect()`` re-sends as its preset). ``alpha`` and
     ``refresh_interval`` left as None take the daemon's defaults (0.8 and 4). Values are
     checked by the daemon, which rejects a bad policy with INVALID_ARGUMENT.
     """
@@ -77,11 +77,14 @@ class Policy:
     protect_sinks: int = 0           #: positions below this are never evicted
     protect_recent: int = 0          #: the n newest cached tokens are never evicted
     seed: int = 0                    #: random only
-    preset: Optional[str] = None     #: one of PRESETS; set alone (plus seed)
+    preset: Optional[str] = None     #: one of PRESETS; set alone (plus seed, span_pool)
+    #: SPEC.md "Span pooling": max-pool each score row over this many positions before it
+    #: becomes momentum; 0 or 1 off, else odd 3 to 255 (with a preset too)
+    span_pool: int = 0
 
     @classmethod
-    def from_preset(cls, name: str, *, seed: int = 0) -> "Policy":
-        return cls(preset=name, seed=seed)
+    def from_preset(cls, name: str, *, seed: int = 0, span_pool: int = 0) -> "Policy":
+        return cls(preset=name, seed=seed, span_pool=span_pool)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Policy":
@@ -108,7 +111,7 @@ class Policy:
 
     def to_proto(self) -> pb.Policy:
         """The message; raises ValueError for an aggregation or refresh name that has none."""
-        message = pb.Policy(seed=self.seed)
+        message = pb.Policy(seed=self.seed, span_pool=self.span_pool)
         if self.preset is not None:
             message.preset = self.preset
             return message
@@ -135,6 +138,7 @@ class Policy:
             protect_recent=message.protect_recent,
             seed=message.seed,
             preset=message.preset or None,
+            span_pool=message.span_pool,
         )
 
 

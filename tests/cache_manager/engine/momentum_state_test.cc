@@ -40,15 +40,17 @@ const kernels::KernelBackend& CountingHostBackend() {
 }
 
 // One scoring step at the budget: the new token, scores (token i scores i % 7), and the
-// eviction of the lowest unprotected token.
+// eviction of the lowest unprotected token. `span_pool`: as ApplyScores takes it.
 void Step(MomentumState& state, int64_t position, std::vector<float>& scores,
-          std::vector<int64_t>* evicted, std::vector<int64_t>* indices) {
+          std::vector<int64_t>* evicted, std::vector<int64_t>* indices, int64_t span_pool = 0) {
   state.Append(position, 0.0f);
   scores.resize(static_cast<size_t>(state.size()));
   for (size_t i = 0; i < scores.size(); ++i) scores[i] = static_cast<float>(i % 7);
   const auto matrix = kernels::ScoreMatrix::Dense(scores.data(), kernels::ScoreDtype::kFloat32,
                                                   1, state.size());
-  ASSERT_EQ(state.ApplyScores(matrix, kernels::MomentumUpdateOptions{}), 0);
+  ASSERT_EQ(state.ApplyScores(matrix, kernels::MomentumUpdateOptions{},
+                              MomentumState::ScoreSpace::kHost, span_pool),
+            0);
   state.EvictLowest(state.FirstUnprotectedSinkIndex(2), state.size() - 1, 1, evicted, indices);
 }
 
@@ -83,6 +85,28 @@ TEST(MomentumStateTest, SteadyHostStepsNeitherAllocateNorCopyThroughTheBackend) 
   EXPECT_EQ(g_allocations - allocations, 0);
   EXPECT_EQ(g_copies - copies, 0);
   EXPECT_EQ(state.size(), kBudget);
+  EXPECT_TRUE(state.status().ok());
+}
+
+// Span pooling's buffer is allocated once, by the first pooled step, and reused.
+TEST(MomentumStateTest, SteadySpanPooledStepsAllocateOnlyOnce) {
+  constexpr int64_t kBudget = 32;
+  MomentumState state(kBudget, kBudget, /*momentum_is_position=*/false, CountingHostBackend());
+  ASSERT_TRUE(state.status().ok());
+  std::vector<float> scores;
+  std::vector<int64_t> evicted;
+  std::vector<int64_t> indices;
+  evicted.reserve(1000);
+  indices.reserve(1000);
+  scores.reserve(kBudget + 1);
+  Step(state, kBudget, scores, &evicted, &indices);  // warm-up without pooling
+  const int64_t allocations = g_allocations;
+  Step(state, kBudget + 1, scores, &evicted, &indices, /*span_pool=*/7);
+  EXPECT_EQ(g_allocations - allocations, 1);  // the pooled rows
+  for (int64_t position = kBudget + 2; position < kBudget + 100; ++position) {
+    Step(state, position, scores, &evicted, &indices, /*span_pool=*/7);
+  }
+  EXPECT_EQ(g_allocations - allocations, 1);
   EXPECT_TRUE(state.status().ok());
 }
 

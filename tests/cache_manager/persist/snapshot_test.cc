@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cache_manager/persist/restart.h"
 #include "cache_manager/table/sequence_table.h"
 #include "gmock/gmock.h"
@@ -169,8 +170,65 @@ TEST(SnapshotTest, EveryTruncationAndEveryDamagedByteIsDataLoss) {
   }
   std::string other_version = bytes;
   other_version[8] = static_cast<char>(kSnapshotVersion + 1);
-  EXPECT_THAT(DecodeSnapshot(other_version).status().message(), HasSubstr("version 2"));
+  EXPECT_THAT(DecodeSnapshot(other_version).status().message(),
+              HasSubstr(absl::StrCat("version ", kSnapshotVersion + 1, ";")));
   EXPECT_THAT(DecodeSnapshot(bytes + "x").status().message(), HasSubstr("payload bytes"));
+}
+
+// Span pooling (SPEC.md, "Span pooling") survives a restart and a hand-off: the policy's
+// span_pool is in the record, and the restored sequence decides on as the original.
+TEST(SnapshotTest, SpanPoolIsKeptAcrossARestartAndAHandOffRecord) {
+  SequenceOptions options = Options("inertia", false);
+  options.policy.span_pool = 7;
+  SequenceTable a;
+  ASSERT_TRUE(a.Open("s", options).ok());
+  std::mt19937_64 rng(3);
+  EvictionDecision da, db;
+  for (int64_t step = 1; step <= 4; ++step) {
+    testing::DenseScores s = NextScores(a, "s", rng);
+    ASSERT_TRUE(a.Step("s", step, &s.matrix, &da).ok());
+  }
+  absl::StatusOr<EngineSnapshot> decoded = DecodeSnapshot(EncodeSnapshot(CaptureEngine(a, nullptr, 1)));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_EQ(decoded->sequences.size(), 1u);
+  EXPECT_EQ(decoded->sequences[0].options.policy.span_pool, 7);
+  absl::StatusOr<SequenceRecord> handed = DecodeSequenceRecord(EncodeSequenceRecord(a.Records()[0]));
+  ASSERT_TRUE(handed.ok()) << handed.status();
+  EXPECT_EQ(handed->options.policy.span_pool, 7);
+  SequenceTable b;
+  ASSERT_TRUE(b.Restore(decoded->sequences[0]).ok());
+  for (int64_t step = 5; step <= 12; ++step) {
+    testing::DenseScores s = NextScores(a, "s", rng);
+    ASSERT_TRUE(a.Step("s", step, &s.matrix, &da).ok());
+    ASSERT_TRUE(b.Step("s", step, &s.matrix, &db).ok());
+    ExpectSameDecision(da, db);
+  }
+  ExpectSameState(a, b, "s");
+}
+
+// A version 1 record (before span_pool) is still read, its policy with span_pool 0: the
+// same record written now, less the 8 bytes of span_pool after the seed.
+TEST(SnapshotTest, AVersion1RecordReadsWithSpanPoolOff) {
+  SequenceOptions options = Options("inertia", false);
+  options.policy.seed = 0x5eed5eed5eed5eedULL;  // marks where the policy's seed lies
+  SequenceTable table;
+  ASSERT_TRUE(table.Open("s", options).ok());
+  const SequenceRecord record = table.Records()[0];
+  const std::string v2 = EncodeSequenceRecord(record);
+  const uint64_t seed = options.policy.seed;
+  const size_t at = v2.find(std::string(reinterpret_cast<const char*>(&seed), sizeof(seed)));
+  ASSERT_NE(at, std::string::npos);
+  std::string body = v2.substr(16);  // magic, version, CRC32C
+  body.erase(at + sizeof(seed) - 16, sizeof(int64_t));
+  std::string v1 = v2.substr(0, 8);
+  const uint32_t header[2] = {1, Crc32c(body)};
+  v1.append(reinterpret_cast<const char*>(header), sizeof(header));
+  v1 += body;
+  absl::StatusOr<SequenceRecord> decoded = DecodeSequenceRecord(v1);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->options.policy, record.options.policy);
+  EXPECT_EQ(decoded->options.policy.span_pool, 0);
+  EXPECT_EQ(EncodeSequenceRecord(*decoded), v2);
 }
 
 TEST(SnapshotTest, ASnapshotWhosePoolsDifferFromTheFlagsIsNamed) {

@@ -98,6 +98,34 @@ TEST(PolicyTest, ValidationNamesTheField) {
   EXPECT_TRUE(p.Validate(1).ok());
 }
 
+// SPEC.md "Span pooling": 0 or 1 off, else odd 3 to 255, and only where scores are read.
+TEST(PolicyTest, SpanPoolIsOffOrAnOddWidthFrom3To255) {
+  Policy p;
+  for (int64_t k : {0, 1, 3, 5, 253, 255}) {
+    p.span_pool = k;
+    EXPECT_TRUE(p.Validate(10).ok()) << k;
+    EXPECT_EQ(p.PoolsSpans(), k > 1);
+  }
+  for (int64_t k : {-1, -3, 2, 8, 256, 257, 999}) {
+    p.span_pool = k;
+    const absl::Status s = p.Validate(10);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k;
+    EXPECT_NE(s.message().find("policy.span_pool is " + std::to_string(k)),
+              absl::string_view::npos)
+        << s.message();
+  }
+  p.span_pool = 3;
+  for (Aggregation a : {Aggregation::kRecency, Aggregation::kRandom}) {
+    p.aggregation = a;
+    EXPECT_NE(p.Validate(10).message().find(
+                  "policy.span_pool needs an aggregation that reads scores"),
+              absl::string_view::npos);
+  }
+  Policy q;
+  q.span_pool = 3;
+  EXPECT_FALSE(q == Policy{});  // part of the policy's identity (snapshots compare it)
+}
+
 TEST(PolicyTest, UnknownEnumNamesAreRejected) {
   EXPECT_EQ(*ParseAggregation("single_step"), Aggregation::kSingleStep);
   EXPECT_EQ(*ParseRefresh("score_free"), Refresh::kScoreFree);

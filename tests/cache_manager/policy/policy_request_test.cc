@@ -34,6 +34,31 @@ TEST(PolicyRequestTest, APresetIsTakenWithItsSeed) {
   EXPECT_EQ(got->policy.seed, 3u);
 }
 
+// SPEC.md "Span pooling": span_pool goes with a preset, with the fields, or alone (the
+// default preset then), like the seed.
+TEST(PolicyRequestTest, SpanPoolGoesWithAPresetWithTheFieldsOrAlone) {
+  PolicyRequest request;
+  request.preset = "inertia_lazy4";
+  request.span_pool = 7;
+  absl::StatusOr<RequestedPolicy> got = ResolvePolicyRequest(request);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->preset, "inertia_lazy4");
+  EXPECT_EQ(got->policy.span_pool, 7);
+
+  request.preset.clear();
+  got = ResolvePolicyRequest(request);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->preset, kDefaultPreset);
+  EXPECT_EQ(got->policy.span_pool, 7);
+
+  request.aggregation = Aggregation::kCumulative;
+  got = ResolvePolicyRequest(request);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->preset, "");
+  EXPECT_EQ(got->policy.aggregation, Aggregation::kCumulative);
+  EXPECT_EQ(got->policy.span_pool, 7);
+}
+
 TEST(PolicyRequestTest, APresetWithAnyFieldIsRefused) {
   const auto with = [](auto set) {
     PolicyRequest request;
