@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
-#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -12,35 +11,16 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "cache_manager/base/status_macros.h"
-#include "cache_manager/policy/fold.h"
 #include "cache_manager/policy/token_budget.h"
 #include "cache_manager/table/sequence_table.h"
 #include "clients/cpp/kvcache_client.h"
 #include "clients/cpp/score_region.h"
+#include "clients/loadgen/scores.h"
 
 namespace kvcm::loadgen {
 namespace {
 
 namespace v1 = ::kvcache::v1;
-
-// Attention-like rows: most tokens get little, a few get much.
-std::vector<float> SyntheticScores(int32_t layers, int64_t tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  std::vector<float> s(static_cast<size_t>(layers) * static_cast<size_t>(tokens));
-  for (float& v : s) {
-    const float x = u(rng);
-    v = x > 0.99f ? x * 0.05f : x * x * 1e-4f;
-  }
-  return s;
-}
-
-// The packed bytes of `scores` in the load's dtype, as a worker sends them.
-std::string Encode(const std::vector<float>& scores, int32_t layers, kernels::ScoreDtype dtype) {
-  v1::StepReport report;
-  client::SetScores(&report, scores, layers, dtype);
-  return report.scores();
-}
 
 SequenceOptions EngineOptions(const LoadOptions& o) {
   SequenceOptions so;
@@ -77,23 +57,12 @@ absl::StatusOr<Inputs> MakeInputs(const LoadOptions& o) {
   std::vector<float> steady = SyntheticScores(o.layers, in.steady_tokens, o.seed + 1);
   in.rows = o.layers;
   if (o.folded) {
-    ASSIGN_OR_RETURN(const Policy policy, Sequence::ResolvePolicy(EngineOptions(o)));
-    ASSIGN_OR_RETURN(const FoldWeights weights, FoldWeightsFor(policy, o.layers));
-    const auto fold = [&](const std::vector<float>& rows, int64_t tokens) {
-      std::vector<float> row(static_cast<size_t>(tokens));
-      if (!weights.layer_weights.empty()) {
-        FoldRows(kernels::ScoreMatrix::Dense(rows.data(), kernels::ScoreDtype::kFloat32,
-                                             o.layers, tokens),
-                 weights, row.data());
-      }
-      return row;
-    };
-    first = fold(first, o.context + 1);
-    steady = fold(steady, in.steady_tokens);
+    ASSIGN_OR_RETURN(first, FoldForPolicy(EngineOptions(o), first, o.layers, o.context + 1));
+    ASSIGN_OR_RETURN(steady, FoldForPolicy(EngineOptions(o), steady, o.layers, in.steady_tokens));
     in.rows = 1;
   }
-  in.first = Encode(first, in.rows, o.dtype);
-  in.steady = Encode(steady, in.rows, o.dtype);
+  in.first = EncodeScores(first, in.rows, o.dtype);
+  in.steady = EncodeScores(steady, in.rows, o.dtype);
   return in;
 }
 
@@ -141,9 +110,7 @@ class DaemonRunner : public BatchRunner {
       // "created": the daemon makes the region (CreateScoreRegion), "shm": this process.
       stride_ = client::NextScoreOffset(0, static_cast<int64_t>(in_.steady.size()));
       const int64_t bytes = stride_ * static_cast<int64_t>(ids.size());
-      ASSIGN_OR_RETURN(region_, o_.transport == "created"
-                                    ? client::ScoreRegion::CreateInDaemon(*client_, bytes)
-                                    : client::ScoreRegion::Create(*client_, bytes));
+      ASSIGN_OR_RETURN(region_, MakeScoreRegion(o_.transport, *client_, bytes));
     }
     ASSIGN_OR_RETURN(stream_, client_->OpenStepStream());
     return absl::OkStatus();

@@ -4,6 +4,13 @@
 //   kvcache-loadgen --server=127.0.0.1:50051 --sequences=64 --streams=4 --layers=32
 //       --context=65536 --compression_ratio=0.9 --dtype=float16
 //       --policy=inertia,inertia_lazy4,score_free --duration=10s
+//
+// With --serve, a capacity benchmark instead (clients/loadgen/serve.h, docs/BENCHMARKS.md,
+// "Capacity"): Poisson arrivals admitted against the daemon's KV pool, per configuration.
+//
+//   kvcache-loadgen --serve --server=127.0.0.1:50051 --serve_configs=full,inertia@0.9
+//       --arrival_rate=100 --serve_duration=20s --json=/tmp/capacity.json
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -15,6 +22,7 @@
 #include "cache_manager/policy/policy.h"
 #include "clients/cpp/security_flags.h"
 #include "clients/loadgen/loadgen.h"
+#include "clients/loadgen/serve.h"
 
 ABSL_FLAG(std::string, server, "", "kvcached address; empty: in-process engine only");
 ABSL_FLAG(int32_t, sequences, 64, "concurrent sequences");
@@ -34,6 +42,92 @@ ABSL_FLAG(std::string, transport, "grpc",
           "region kvcached creates; not with --engine_backend=cuda)");
 ABSL_FLAG(bool, folded, false,
           "open the sequences with the FOLDED layout: one folded row per scoring step");
+
+// --serve: the capacity benchmark. --server, --streams, --layers, --dtype and --seed apply.
+ABSL_FLAG(bool, serve, false,
+          "capacity benchmark: Poisson arrivals admitted when kvcached's KV pool leases their "
+          "prefill (FIFO while it refuses), decoded one token per iteration until --generate; "
+          "one run per --serve_configs entry. kvcached needs KV pools and --allow_shm_scores");
+ABSL_FLAG(std::string, serve_configs, "all",
+          "--serve: comma-separated: full (no eviction), <preset>@<rho> (e.g. inertia@0.9), "
+          "handoff@<rho> or handoff:<preset>@<rho> (prefill and step 1 on --prefill_server, "
+          "ImportSequence into --server); all: full, inertia, inertia_lazy4 and score_free at "
+          "0.5, 0.8, 0.9, and handoff@0.9");
+ABSL_FLAG(int64_t, requests, 200, "--serve: requests per configuration (without --serve_duration)");
+ABSL_FLAG(absl::Duration, serve_duration, absl::ZeroDuration(),
+          "--serve: if > 0, admit arrivals for this long per configuration instead of "
+          "--requests (the admitted ones then finish; the still-queued are counted)");
+ABSL_FLAG(double, arrival_rate, 50, "--serve: requests per second (Poisson, seeded by --seed)");
+ABSL_FLAG(int64_t, prompt_min, 2048, "--serve: shortest prompt, tokens");
+ABSL_FLAG(int64_t, prompt_max, 32768, "--serve: longest prompt, tokens");
+ABSL_FLAG(std::string, prompt_distribution, "uniform",
+          "--serve: prompt lengths, uniform or log_uniform over [--prompt_min, --prompt_max]");
+ABSL_FLAG(int64_t, generate, 128, "--serve: tokens each request generates (decode steps)");
+ABSL_FLAG(absl::Duration, model_step, absl::Milliseconds(20),
+          "--serve: the model's time per decode iteration. Memory-bound decode costs about the "
+          "same for any batch size, so an iteration lasts max(model_step, the daemon's time)");
+ABSL_FLAG(std::string, prefill_server, "", "--serve handoff: the prefill node's kvcached");
+ABSL_FLAG(std::string, prefill_peer, "",
+          "--serve handoff: the prefill kvcached as --server reaches it (its --peer_listen)");
+ABSL_FLAG(std::string, json, "", "--serve: write every number and the occupancy series here");
+
+namespace {
+
+// --serve: the capacity benchmark.
+int ServeMain(const kvcm::loadgen::LoadOptions& load) {
+  kvcm::loadgen::ServeOptions o;
+  o.server = load.server;
+  o.connection = load.connection;
+  o.streams = load.streams;
+  o.layers = load.layers;
+  o.dtype = load.dtype;
+  o.seed = load.seed;
+  o.prefill_server = absl::GetFlag(FLAGS_prefill_server);
+  o.prefill_peer = absl::GetFlag(FLAGS_prefill_peer);
+  o.requests = absl::GetFlag(FLAGS_requests);
+  o.duration = absl::GetFlag(FLAGS_serve_duration);
+  o.arrival_rate = absl::GetFlag(FLAGS_arrival_rate);
+  o.prompt_min = absl::GetFlag(FLAGS_prompt_min);
+  o.prompt_max = absl::GetFlag(FLAGS_prompt_max);
+  o.generate = absl::GetFlag(FLAGS_generate);
+  o.model_step = absl::GetFlag(FLAGS_model_step);
+  const std::string distribution = absl::GetFlag(FLAGS_prompt_distribution);
+  if (distribution != "uniform" && distribution != "log_uniform") {
+    std::cerr << "kvcache-loadgen: --prompt_distribution must be uniform or log_uniform\n";
+    return 2;
+  }
+  o.prompt_log_uniform = distribution == "log_uniform";
+  absl::StatusOr<std::vector<kvcm::loadgen::ServeConfig>> configs =
+      kvcm::loadgen::ParseServeConfigs(absl::GetFlag(FLAGS_serve_configs));
+  if (!configs.ok()) {
+    std::cerr << "kvcache-loadgen: " << configs.status().message() << "\n";
+    return 2;
+  }
+  o.configs = *std::move(configs);
+  std::cout << "kvcache-loadgen --serve: " << o.configs.size() << " configurations, "
+            << (o.duration > absl::ZeroDuration() ? absl::FormatDuration(o.duration) + " of arrivals"
+                                                  : std::to_string(o.requests) + " requests")
+            << " at " << o.arrival_rate << "/s each, prompts " << o.prompt_min << ".."
+            << o.prompt_max << " (" << distribution << "), " << o.generate << " tokens, model step "
+            << absl::FormatDuration(o.model_step) << ", kvcached at " << o.server << "\n";
+  absl::StatusOr<std::vector<kvcm::loadgen::ServeResult>> results = kvcm::loadgen::RunServe(o);
+  if (!results.ok()) {
+    std::cerr << "kvcache-loadgen: " << results.status().message() << "\n";
+    return results.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  std::cout << kvcm::loadgen::FormatServeTable(*results);
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    std::ofstream out(path);
+    out << kvcm::loadgen::ServeJson(o, *results);
+    if (!out.good()) {
+      std::cerr << "kvcache-loadgen: --json: cannot write " << path << "\n";
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("load generator for kvcached (see --help)");
@@ -62,6 +156,7 @@ int main(int argc, char** argv) {
     std::cerr << "kvcache-loadgen: --dtype must be float32, float16 or bfloat16\n";
     return 2;
   }
+  if (absl::GetFlag(FLAGS_serve)) return ServeMain(o);
   std::vector<std::string> policies;
   if (absl::GetFlag(FLAGS_policy) == "all") {
     for (auto name : kvcm::Policy::PresetNames()) policies.emplace_back(name);
