@@ -4,8 +4,12 @@
 # tables, and stops the daemon cleanly (SIGTERM, exit 0).
 #   1. kvcache-replay sends the bundled demo trace through the daemon under every policy:
 #      retained tokens, evictions, scoring steps taken and skipped.
-#   2. kvcache-loadgen steps 16 concurrent sequences over 2 worker streams for every
-#      policy: throughput and batch latency through the daemon and in-process.
+#   2. kvcache-loadgen steps 64 concurrent sequences over 2 worker streams for every
+#      policy on the recommended path (folded rows written into score regions kvcached
+#      creates): throughput and batch latency through the daemon and in-process.
+#   3. kvcache-loadgen --serve: what a node gains, the concurrent decoding sequences of
+#      the daemon's fixed KV pool at rho = 0.9 against the full cache (docs/BENCHMARKS.md,
+#      "Capacity", has every configuration and the hand-off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,8 +29,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# A host KV pool of 28,672 blocks of 16 tokens (the capacity benchmark's: one layer, one
+# head of dimension 8, so 14 MiB; only the block count matters for capacity) and score
+# regions in shared memory.
 build/bin/kvcached --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
-  --port_file="$work/ports.json" 2>"$work/kvcached.log" &
+  --port_file="$work/ports.json" --allow_shm_scores --pool_memory_bytes=$((14 << 20)) \
+  --kv_layers=1 --kv_heads=1 --kv_head_dim=8 --kv_tokens_per_block=16 --kv_dtype=float16 \
+  2>"$work/kvcached.log" &
 daemon_pid=$!
 for _ in $(seq 1 300); do
   [ -s "$work/ports.json" ] && break
@@ -42,9 +51,25 @@ echo "== the demo trace (clients/replay/demo/demo.trace.jsonl) through kvcached,
 build/bin/kvcache-replay --server "$grpc" --compare all \
   --trace clients/replay/demo/demo.trace.jsonl
 echo
-echo "== 16 sequences, 2 worker streams, 8 layers, 8k context at 90%, float16, per policy"
-build/bin/kvcache-loadgen --server "$grpc" --policy all --sequences 16 --streams 2 \
-  --layers 8 --context 8192 --compression_ratio 0.9 --dtype float16 --duration 2s
+echo "== 64 sequences, 2 worker streams, 32 layers, 4k context at 90%, float16 folded rows"
+echo "   in score regions kvcached creates, per policy"
+build/bin/kvcache-loadgen --server "$grpc" --policy all --sequences 64 --streams 2 \
+  --layers 32 --context 4096 --compression_ratio 0.9 --dtype float16 --duration 2s \
+  --transport created --folded
+echo
+echo "== capacity: Poisson arrivals (150/s, prompts 2k-32k, 128 tokens each) on the pool of"
+echo "   28,672 blocks, full cache against inertia at rho = 0.9, 5 s of arrivals each"
+build/bin/kvcache-loadgen --server "$grpc" --serve --serve_configs=full,inertia@0.9 \
+  --serve_duration=5s --arrival_rate=150 --json="$work/capacity.json"
+/usr/bin/python3 - "$work/capacity.json" <<'PY'
+import json, sys
+runs = {r["config"]: r for r in json.load(open(sys.argv[1]))["configs"]}
+full, inertia = runs["full"], runs["inertia@0.9"]
+print(f"capacity gain at rho = 0.9: {inertia['decoding_mean'] / full['decoding_mean']:.1f}x the "
+      f"concurrent decoding sequences of the full cache ({inertia['decoding_mean']:.1f} against "
+      f"{full['decoding_mean']:.1f}), {inertia['tokens_per_second'] / full['tokens_per_second']:.1f}x "
+      f"the decode tokens/s")
+PY
 echo
 
 kill -TERM "$daemon_pid"
