@@ -13,13 +13,15 @@ Everything a worker calls is importable from here (``__all__``), by what it is f
 
 * connecting: :class:`KvCacheClient`, :class:`TlsConfig`
 * stepping: :class:`SequenceBatch` (one per rank; tracks each :class:`TrackedSequence`),
-  or the raw :class:`StepStream` of :class:`Report`
+  or the raw :class:`StepStream` of :class:`Report`; a step not waited for is a
+  :class:`StepFuture`
 * policies and budgets: :class:`Policy`, ``PRESETS``, ``SCORING_PRESETS``,
   :func:`budget_tokens`
 * results: :class:`Decision`, :class:`SequenceState`, :class:`SequenceStats`,
   :class:`KvPool`, :class:`KvChange`, :class:`CreatedScoreRegion`,
   :class:`ImportedSequence` (a hand-off between daemons: docs/DISAGGREGATION.md)
-* errors: :class:`KvCacheError`, :class:`StepError`, :class:`ScoreShapeError`
+* errors: :class:`KvCacheError`, :class:`StepError`, :class:`ScoreShapeError`,
+  :class:`SequenceInFlightError`
 * scores: :class:`ScoreRegion` (the shared-memory transport), :class:`FoldWeights` and
   :func:`fold_scores`, :func:`encode_scores` / :func:`prepare_scores` /
   :func:`decode_scores`
@@ -34,7 +36,7 @@ from .batch import SequenceBatch, TrackedSequence
 from .budget import budget_tokens
 from .client import KvCacheClient
 from .credentials import TlsConfig
-from .errors import KvCacheError, ScoreShapeError, StepError
+from .errors import KvCacheError, ScoreShapeError, SequenceInFlightError, StepError
 from .fold import FoldWeights, fold_scores
 from .policy import PRESETS, SCORING_PRESETS, Policy
 from .region import ScoreRegion
@@ -42,20 +44,20 @@ from .results import (CreatedScoreRegion, Decision, ImportedSequence, KvChange, 
                       SequenceState, SequenceStats)
 from .scores import (EncodedScores, PreparedScores, Scores, decode_scores, encode_scores,
                      prepare_scores)
-from .stream import Report, StepStream
+from .stream import Report, StepFuture, StepStream
 
 __all__ = [
     # connecting
     "KvCacheClient", "TlsConfig",
     # stepping
-    "SequenceBatch", "TrackedSequence", "StepStream", "Report",
+    "SequenceBatch", "TrackedSequence", "StepFuture", "StepStream", "Report",
     # policies and budgets
     "Policy", "PRESETS", "SCORING_PRESETS", "budget_tokens",
     # results
     "Decision", "SequenceState", "SequenceStats", "KvPool", "KvChange", "CreatedScoreRegion",
     "ImportedSequence",
     # errors
-    "KvCacheError", "StepError", "ScoreShapeError",
+    "KvCacheError", "StepError", "ScoreShapeError", "SequenceInFlightError",
     # scores
     "ScoreRegion", "FoldWeights", "fold_scores", "Scores", "EncodedScores", "PreparedScores",
     "encode_scores", "prepare_scores", "decode_scores",

@@ -12,23 +12,28 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 import grpc
 
 from ._proto import pb
-from .errors import KvCacheError, StepError
+from .errors import KvCacheError, SequenceInFlightError, StepError
 from .fold import FoldWeights
 from .masks import CachePositions
 from .results import Decision, ImportedSequence, SequenceState, SequenceStats
 from .scores import PreparedScores, ScoresLike, ScoreShapeError
-from .stream import Report, report_message
+from .stream import Report, StepFuture, report_message
 
 if TYPE_CHECKING:
     from .client import KvCacheClient
     from .region import ScoreRegion
 
 __all__ = ["SequenceBatch", "TrackedSequence"]
+
+#: report_message's arguments but the region: (sequence_id, step, head_count, scores)
+_ReportArgs = Tuple[str, int, int, Optional[PreparedScores]]
 
 
 @dataclass
@@ -112,26 +117,44 @@ class SequenceBatch:
     the batch tracks each sequence's cached positions, so every decision it returns has
     both ``evicted`` (positions) and ``keep_mask()`` whichever form the daemon sent.
 
-    Not thread-safe: one batch per rank, used from one thread.
+    Steps in flight (``max_inflight`` > 1): ``submit_step`` sends a step and returns a
+    :class:`~kvcache_client.stream.StepFuture` at once, so that e.g. two micro-batches of
+    sequences alternate, each computed while the other's decisions travel. A sequence may
+    be in one step in flight at a time (SequenceInFlightError otherwise).
+
+    Not thread-safe: one batch per rank, stepped from one thread (its futures may be waited
+    on from any; the stream's reader thread updates the tracking of the sequences in flight).
     """
 
     def __init__(self, client: "KvCacheClient", *, rank: int = 0,
                  head_count: Optional[int] = None, timeout: Optional[float] = None,
                  score_region_bytes: Optional[int] = None,
-                 daemon_score_region: bool = False) -> None:
+                 daemon_score_region: bool = False, max_inflight: int = 1) -> None:
         """``head_count``: query heads this rank sums into each row (default for its
         sequences; required for tensor-parallel ones). ``timeout``: seconds to wait for a
         step's decisions (default: the client's timeout). ``score_region_bytes``: send the
         scores through a shared-memory region of that size (KvCacheClient.stream), which
-        the daemon creates with ``daemon_score_region``."""
+        the daemon creates with ``daemon_score_region``. ``max_inflight``: steps sent and
+        not yet answered, at most (1: each step waits for the previous one's decisions);
+        at most the daemon's --max_inflight_batches. ValueError outside 1..1024."""
         self._client = client
         self.rank = rank
         self.head_count = head_count
         self._stream = client.stream(rank=rank,
                                      timeout=timeout if timeout is not None else client.timeout,
                                      score_region_bytes=score_region_bytes,
-                                     daemon_score_region=daemon_score_region)
+                                     daemon_score_region=daemon_score_region,
+                                     max_inflight=max_inflight)
         self._sequences: Dict[str, TrackedSequence] = {}
+        # Sequence id -> the claim of the step in flight it is in (see _claim).
+        self._in_flight: Dict[str, int] = {}
+        self._in_flight_lock = threading.Lock()
+        self._claims = itertools.count(1)
+
+    @property
+    def max_inflight(self) -> int:
+        """Steps that may be in flight together."""
+        return self._stream.max_inflight
 
     @property
     def score_region(self) -> Optional["ScoreRegion"]:
@@ -153,7 +176,10 @@ class SequenceBatch:
     def add(self, sequence_id: str, *, state: Optional[SequenceState] = None,
             head_count: Optional[int] = None) -> TrackedSequence:
         """Adds an open sequence (e.g. one another rank opened), from ``state`` or, when not
-        given, from ``inspect``. Raises KvCacheError NOT_FOUND when it is not open."""
+        given, from ``inspect``. Raises KvCacheError NOT_FOUND when it is not open, and
+        SequenceInFlightError when this batch has it in a step in flight."""
+        if sequence_id in self.in_flight:
+            raise self._in_flight_error(sequence_id)
         if state is None or (state.last_step > 0 and len(state.positions) != state.cache_size):
             # The cached positions are tracked from here on (for masks): a state past its
             # first step must carry them.
@@ -215,10 +241,16 @@ class SequenceBatch:
         return len(self._sequences)
 
     def needs_scores(self, sequence_id: Optional[str] = None) -> bool:
-        """Whether the next step of ``sequence_id`` (None: of any sequence here) needs scores."""
+        """Whether the next step of ``sequence_id`` (None: of any sequence here not in a
+        step in flight) needs scores. SequenceInFlightError for a sequence in flight: that
+        is known only once its decision arrives."""
+        in_flight = self.in_flight
         if sequence_id is not None:
+            if sequence_id in in_flight:
+                raise self._in_flight_error(sequence_id)
             return self._sequences[sequence_id].next_needs_scores
-        return any(s.next_needs_scores for s in self._sequences.values())
+        return any(s.next_needs_scores for s in self._sequences.values()
+                   if s.sequence_id not in in_flight)
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -236,19 +268,63 @@ class SequenceBatch:
             holds them all) instead of returning rejections in the dict.
         Raises:
           KeyError: an id this batch does not track (``open`` or ``add`` it first).
+          SequenceInFlightError: a listed sequence is in a step still in flight.
           TypeError: scores of an unsupported kind.
           KvCacheError: the stream failed (the batch is then unusable: make a new one and
             ``add`` the sequences, which resynchronizes them with the daemon); INTERNAL
             when a decision does not fit the tracked cache (resynchronize the same way).
         """
+        return self.submit_step(scores, dtype=dtype, layers=layers,
+                                raise_on_error=raise_on_error).result()
+
+    def submit_step(self, scores: Mapping[str, ScoresLike], *, dtype: Optional[str] = None,
+                    layers: Optional[int] = None, raise_on_error: bool = False) -> StepFuture:
+        """:meth:`step` without waiting: sends the step and returns a :class:`StepFuture`
+        whose ``result()`` is what ``step`` returns (or raises what it raises, past the
+        KeyError, SequenceInFlightError and TypeError raised here, before sending).
+
+        Up to ``max_inflight`` steps are in flight; one more blocks until the oldest is
+        answered. A sequence may be in one of them only: its next step (number, whether it
+        needs scores) depends on that decision. Each sequence's tracking is updated when its
+        reply arrives, before the future is done.
+        """
+        for sequence_id in scores:
+            self._tracked(sequence_id)
+        claim = self._claim(list(scores))
+        try:
+            decisions, reports = self._reports(scores, dtype, layers)
+
+            def build(region: Optional["ScoreRegion"]) -> List[pb.StepReport]:
+                # Under the stream's lock, once the region may be written from its window's start.
+                return [report_message(*report, region) for _, report in reports]
+
+            def settle(got: List[Decision]) -> Dict[str, Decision]:
+                # On the stream's reader thread, before the future is done.
+                try:
+                    return self._settle(decisions, [sid for sid, _ in reports], got,
+                                        raise_on_error)
+                finally:
+                    self._release(claim)
+
+            future = self._stream.submit_built(build, settle)
+        except BaseException:
+            self._release(claim)
+            raise
+        # A failed stream never settles: free the sequences for the error to be seen.
+        future.add_done_callback(lambda done: self._release(claim))
+        return future
+
+    def _reports(self, scores: Mapping[str, ScoresLike], dtype: Optional[str],
+                 layers: Optional[int]
+                 ) -> Tuple[Dict[str, Optional[Decision]], List[Tuple[str, _ReportArgs]]]:
+        """The decisions by id, None where a report is to be sent (the client's rejections
+        filled in), and the reports to send."""
         decisions: Dict[str, Optional[Decision]] = {}
-        sent: List[str] = []
-        reports: List[Tuple[str, int, int, Optional[PreparedScores]]] = []
+        reports: List[Tuple[str, _ReportArgs]] = []
         for sequence_id, value in scores.items():
-            tracked = self._tracked(sequence_id)
+            tracked = self._sequences[sequence_id]
             try:
-                reports.append((sequence_id, tracked.next_step, tracked.head_count,
-                                self._prepare(tracked, value, dtype, layers)))
+                prepared = self._prepare(tracked, value, dtype, layers)
             except ScoreShapeError as error:
                 decisions[sequence_id] = Decision.rejected(
                     sequence_id, tracked.next_step, grpc.StatusCode.INVALID_ARGUMENT,
@@ -257,25 +333,18 @@ class SequenceBatch:
                     tracked.cache_size, tracked.next_needs_scores)
                 continue
             decisions[sequence_id] = None
-            sent.append(sequence_id)
+            reports.append((sequence_id, (sequence_id, tracked.next_step, tracked.head_count,
+                                          prepared)))
+        return decisions, reports
 
-        def build(region: Optional["ScoreRegion"]) -> List[pb.StepReport]:
-            # Under the stream's lock, once the region may be written from its start.
-            return [report_message(*report, region) for report in reports]
-
-        for sequence_id, decision in zip(sent, self._stream.send_built(build)):
+    def _settle(self, decisions: Dict[str, Optional[Decision]], sent: List[str],
+                got: List[Decision], raise_on_error: bool) -> Dict[str, Decision]:
+        """Applies the daemon's decisions to the tracked sequences; the step's result."""
+        for sequence_id, decision in zip(sent, got):
             if decision.ok:
                 tracked = self._sequences.get(sequence_id)
                 if tracked is not None:
-                    try:
-                        decision = tracked.resolve(decision)
-                    except ValueError as error:
-                        raise KvCacheError(grpc.StatusCode.INTERNAL,
-                                           f"{error}; make a new batch and add() the "
-                                           "sequence to resynchronize it") from None
-                    tracked.last_step = decision.step
-                    tracked.cache_size = decision.cache_size
-                    tracked.next_needs_scores = decision.next_needs_scores
+                    decision = self._advance(tracked, decision)
             decisions[sequence_id] = decision
         result: Dict[str, Decision] = decisions  # type: ignore[assignment]  # all filled
         if raise_on_error:
@@ -284,6 +353,55 @@ class SequenceBatch:
                     raise StepError(decision.sequence_id, decision.step, decision.code,
                                     decision.message, decisions=result)
         return result
+
+    @staticmethod
+    def _advance(tracked: TrackedSequence, decision: Decision) -> Decision:
+        try:
+            decision = tracked.resolve(decision)
+        except ValueError as error:
+            raise KvCacheError(grpc.StatusCode.INTERNAL,
+                               f"{error}; make a new batch and add() the sequence to "
+                               "resynchronize it") from None
+        tracked.last_step = decision.step
+        tracked.cache_size = decision.cache_size
+        tracked.next_needs_scores = decision.next_needs_scores
+        return decision
+
+    # -- steps in flight ------------------------------------------------------------------
+
+    def _claim(self, sequence_ids: List[str]) -> Tuple[int, List[str]]:
+        """Marks the sequences as in a step in flight; SequenceInFlightError (nothing
+        marked) when one already is."""
+        with self._in_flight_lock:
+            for sequence_id in sequence_ids:
+                if sequence_id in self._in_flight:
+                    raise self._in_flight_error(sequence_id)
+            token = next(self._claims)
+            for sequence_id in sequence_ids:
+                self._in_flight[sequence_id] = token
+        return token, sequence_ids
+
+    def _release(self, claim: Tuple[int, List[str]]) -> None:
+        """Unmarks a claim's sequences (those a later claim took are not its to free)."""
+        token, sequence_ids = claim
+        with self._in_flight_lock:
+            for sequence_id in sequence_ids:
+                if self._in_flight.get(sequence_id) == token:
+                    del self._in_flight[sequence_id]
+
+    def _in_flight_error(self, sequence_id: str) -> SequenceInFlightError:
+        tracked = self._sequences.get(sequence_id)
+        step = f"step {tracked.next_step}" if tracked is not None else "a step"
+        return SequenceInFlightError(
+            f"sequence {sequence_id!r} is in a step still in flight ({step} was sent and "
+            "its decision has not arrived): wait for that step's result() first, since its "
+            "next step depends on that decision")
+
+    @property
+    def in_flight(self) -> FrozenSet[str]:
+        """The ids of the sequences in a step sent and not yet answered."""
+        with self._in_flight_lock:
+            return frozenset(self._in_flight)
 
     def _tracked(self, sequence_id: str) -> TrackedSequence:
         try:

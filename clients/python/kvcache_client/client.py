@@ -15,7 +15,7 @@ from .region import ScoreRegion
 from .results import (CreatedScoreRegion, Decision, ImportedSequence, KvPool, SequenceState,
                       SequenceStats)
 from .scores import normalize_dtype
-from .stream import ReportLike, StepStream, reports_to_proto
+from .stream import ReportLike, StepStream, check_max_inflight, reports_to_proto
 
 __all__ = ["KvCacheClient"]
 
@@ -178,18 +178,21 @@ class KvCacheClient:
     def batch(self, *, rank: int = 0, head_count: Optional[int] = None,
               timeout: Optional[float] = None,
               score_region_bytes: Optional[int] = None,
-              daemon_score_region: bool = False) -> SequenceBatch:
+              daemon_score_region: bool = False, max_inflight: int = 1) -> SequenceBatch:
         """A :class:`SequenceBatch` for this worker rank (its own StepStream).
 
         ``score_region_bytes``: send the scores through a shared-memory region of that size
-        (the daemon on this node, run with --allow_shm_scores), see :meth:`stream`."""
+        (the daemon on this node, run with --allow_shm_scores), see :meth:`stream`.
+        ``max_inflight``: steps in flight at once (``SequenceBatch.submit_step``), at most
+        the daemon's --max_inflight_batches."""
         return SequenceBatch(self, rank=rank, head_count=head_count, timeout=timeout,
                              score_region_bytes=score_region_bytes,
-                             daemon_score_region=daemon_score_region)
+                             daemon_score_region=daemon_score_region,
+                             max_inflight=max_inflight)
 
     def stream(self, *, rank: int = 0, timeout: Optional[float] = None,
                score_region_bytes: Optional[int] = None,
-               daemon_score_region: bool = False) -> StepStream:
+               daemon_score_region: bool = False, max_inflight: int = 1) -> StepStream:
         """A raw :class:`StepStream` for this rank: explicit step numbers, no tracking.
 
         ``score_region_bytes``: create and register a :class:`ScoreRegion` of that many
@@ -198,11 +201,15 @@ class KvCacheClient:
         stream owns it: closing the stream unregisters and unlinks it. Raises
         KvCacheError FAILED_PRECONDITION when the daemon was started without
         --allow_shm_scores. ``daemon_score_region``: the daemon creates the region
-        (CreateScoreRegion) instead of this process; the same otherwise."""
+        (CreateScoreRegion) instead of this process; the same otherwise. ``max_inflight``:
+        batches in flight at once (``StepStream.submit``), each writing its own
+        1/max_inflight of the region; at most the daemon's --max_inflight_batches."""
+        check_max_inflight(max_inflight)  # before a region is made for nothing
         region = (ScoreRegion(self, score_region_bytes, from_daemon=daemon_score_region)
                   if score_region_bytes else None)
         try:
-            return StepStream(self._stub, rank=rank, timeout=timeout, score_region=region)
+            return StepStream(self._stub, rank=rank, timeout=timeout, score_region=region,
+                              max_inflight=max_inflight)
         except BaseException:
             if region is not None:
                 region.close()

@@ -9,7 +9,7 @@ import grpc
 if TYPE_CHECKING:
     from .results import Decision
 
-__all__ = ["KvCacheError", "ScoreShapeError", "StepError"]
+__all__ = ["KvCacheError", "ScoreShapeError", "SequenceInFlightError", "StepError"]
 
 _CODES: Dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -49,6 +49,12 @@ class ScoreShapeError(ValueError):
     Raised on the client before anything is sent; here, beside the other errors, so that
     every module that checks a shape imports it without importing another checker.
     """
+
+
+class SequenceInFlightError(ValueError):
+    """A sequence was listed in a step while this batch has it in another step still in
+    flight (``SequenceBatch.submit_step``): its next step's number, and whether it needs
+    scores, are known only once that decision arrives. Raised before anything is sent."""
 
 
 class StepError(KvCacheError):

@@ -6,12 +6,13 @@ shared-memory region it registered (``RegisterScoreRegion``; the daemon must run
 the bytes. ``client.batch(score_region_bytes=N)`` and ``client.stream(score_region_bytes=N)``
 make one and use it on every step; nothing else changes for the caller.
 
-Layout and ownership: every batch of reports is written from the region's start, each
-report's range at the next multiple of :data:`ALIGNMENT` bytes, packed exactly as its inline
-``scores`` bytes would be. The daemon reads a range until the Decision for the report that
-named it has arrived; a stream sends its next batch only after the previous one's
-decisions, so each batch may reuse the whole region. A report that does not fit in what is
-left goes inline (counted in :attr:`ScoreRegion.inline_reports`).
+Layout and ownership: every batch of reports is written from the start of its window (the
+whole region, or with N batches in flight a stream's 1/N of it), each report's range at the
+next multiple of :data:`ALIGNMENT` bytes, packed exactly as its inline ``scores`` bytes would
+be. The daemon reads a range until the Decision for the report that named it has arrived; a
+stream reuses a window only after the decisions of the batch that last wrote it. A report
+that does not fit in what is left of the window goes inline (counted in
+:attr:`ScoreRegion.inline_reports`).
 
 With ``from_daemon=True`` the daemon creates the object instead (``CreateScoreRegion``)
 and this class maps it; the daemon owns it and frees it on ``close``. (A daemon deciding on
@@ -76,6 +77,7 @@ class ScoreRegion:
             self._create_and_register(client)
         self._buf: Optional[memoryview] = self._shm.buf
         self._cursor = 0
+        self._window = (0, self.byte_size)  # where the current batch may write
         self.region_reports = 0   #: reports whose scores went through the region
         self.inline_reports = 0   #: reports that did not fit and went inline
         self.high_water_bytes = 0  #: the most bytes one batch used
@@ -117,10 +119,16 @@ class ScoreRegion:
 
     # -- one batch at a time ---------------------------------------------------------------
 
-    def begin_batch(self) -> None:
-        """Starts a batch at the region's start. REQUIRES: the previous batch's decisions
-        have all arrived (the daemon is done reading it)."""
-        self._cursor = 0
+    def begin_batch(self, start: int = 0, end: Optional[int] = None) -> None:
+        """Starts a batch writing bytes [start, end) (default: the whole region).
+        REQUIRES: the decisions of the batch that last wrote there have all arrived (the
+        daemon is done reading it)."""
+        end = self.byte_size if end is None else end
+        if not 0 <= start <= end <= self.byte_size:
+            raise ValueError(f"score region window [{start}, {end}) is not within its "
+                             f"{self.byte_size} bytes")
+        self._window = (start, end)
+        self._cursor = start
 
     def place(self, scores: "PreparedScores") -> Optional[int]:
         """Writes ``scores`` at the next aligned offset and returns it, or returns None
@@ -129,13 +137,13 @@ class ScoreRegion:
             raise KvCacheError(grpc.StatusCode.CANCELLED, f"score region {self.name} is closed")
         offset = -(-self._cursor // ALIGNMENT) * ALIGNMENT
         end = offset + scores.nbytes
-        if end > self.byte_size:
+        if end > self._window[1]:
             self.inline_reports += 1
             return None
         scores.write_into(self._buf[offset:end])
         self._cursor = end
         self.region_reports += 1
-        self.high_water_bytes = max(self.high_water_bytes, end)
+        self.high_water_bytes = max(self.high_water_bytes, end - self._window[0])
         return offset
 
     # -- life ------------------------------------------------------------------------------

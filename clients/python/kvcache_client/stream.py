@@ -6,23 +6,27 @@ tracks what each sequence needs; this layer sends exactly what it is given.
 
 from __future__ import annotations
 
-import itertools
+import collections
 import queue
 import threading
+import time
+from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, List, Optional, Union
+from typing import (TYPE_CHECKING, Any, Callable, Deque, Iterable, Iterator, List, Optional,
+                    Union)
 
 import grpc
 
 from ._proto import dtype_to_proto, pb, pb_grpc
 from .errors import KvCacheError
+from .region import ALIGNMENT
 from .results import Decision
 from .scores import PreparedScores, ScoresLike, normalize_dtype, prepare_scores
 
 if TYPE_CHECKING:
     from .region import ScoreRegion
 
-__all__ = ["Report", "ReportLike", "StepStream"]
+__all__ = ["Report", "ReportLike", "StepFuture", "StepStream"]
 
 
 @dataclass
@@ -90,45 +94,118 @@ def reports_to_proto(reports: Iterable[ReportLike],
 
 
 _CLOSE = object()
-_END = object()
+
+#: The daemon's --max_inflight_batches accepts 1 to 1024: more could never be in flight.
+MAX_INFLIGHT_LIMIT = 1024
+
+
+def check_max_inflight(max_inflight: object) -> None:
+    """ValueError, naming the argument, unless ``max_inflight`` is an int in 1..1024."""
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
+            or not 1 <= max_inflight <= MAX_INFLIGHT_LIMIT:
+        raise ValueError(f"max_inflight must be an int from 1 to {MAX_INFLIGHT_LIMIT} (at most "
+                         f"the daemon's --max_inflight_batches), got {max_inflight!r}")
+
+
+class StepFuture(futures.Future):
+    """The decisions of one submitted batch, to come (a ``concurrent.futures.Future``).
+
+    ``result(timeout=None)`` returns what the blocking call returns (``StepStream.send``: the
+    list of Decision; ``SequenceBatch.submit_step``: the dict by sequence id) or raises what
+    it raises: the KvCacheError that ended the stream, CANCELLED when the stream was closed
+    before the reply, and ``concurrent.futures.TimeoutError`` only for ``result``'s own
+    ``timeout``. ``batch_id`` is the StepBatch's (None for a batch that sent nothing).
+
+    A batch cannot be cancelled once sent (the daemon decides it anyway): ``cancel()``
+    returns False. Done-callbacks run on the stream's reader thread, in batch order: keep
+    them short, and never wait there for another batch of the same stream. For asyncio,
+    ``await asyncio.wrap_future(future)``.
+    """
+
+    def __init__(self, transform: Optional[Callable[[List[Decision]], Any]] = None) -> None:
+        super().__init__()
+        self.batch_id: Optional[int] = None
+        self._transform = transform
+        self.set_running_or_notify_cancel()  # sent at once: no longer cancellable
+
+    def _finish(self, decisions: List[Decision]) -> None:
+        """Sets the result (or what the transform raised): once, by whoever owns it."""
+        try:
+            value = self._transform(decisions) if self._transform is not None else decisions
+        except Exception as error:  # noqa: BLE001 - it is the caller's to see, on result()
+            self.set_exception(error)
+        else:
+            self.set_result(value)
+
+
+@dataclass
+class _InFlight:
+    """A sent batch whose reply has not arrived."""
+
+    batch_id: int
+    reports: int
+    deadline: Optional[float]  # time.monotonic() by which its reply is due; None: never
+    future: StepFuture
 
 
 class StepStream:
     """One StepStream call: a worker rank's path for its decode steps.
 
-    ``send(reports)`` writes one StepBatch and waits for its DecisionBatch. A bad report fails
-    only its own Decision; the stream itself fails only when the connection does, after
-    which every ``send`` raises the KvCacheError that ended it.
+    ``send(reports)`` writes one StepBatch and waits for its DecisionBatch; ``submit(reports)``
+    writes it and returns a :class:`StepFuture` at once, so that up to ``max_inflight``
+    batches are in flight together (``send`` is ``submit(...).result()``). A bad report
+    fails only its own Decision; the stream itself fails only when the connection does (or
+    a reply is late or does not match), after which every batch in flight fails, and every
+    later ``send``/``submit`` raises, with the KvCacheError that ended it.
+
+    Order: the daemon answers a stream's batches in the order it read them
+    (server/step_stream_reactor.h), and the batches are written in the order submitted, so
+    the replies are matched to the in-flight batches oldest first; a reply whose batch_id is
+    not the oldest's fails the stream (INTERNAL) rather than reach another batch's future.
+
+    Back-pressure: a ``submit`` with ``max_inflight`` batches unanswered blocks until the
+    oldest is answered (or the stream fails or closes): nothing queues without a bound.
 
     With a :class:`~kvcache_client.region.ScoreRegion` (``client.stream(
-    score_region_bytes=N)``) the scores of :class:`Report` objects go through the region
-    (each batch from its start: a batch is sent only after the previous one's decisions
-    arrived); the stream owns it and closes it in :meth:`close`.
+    score_region_bytes=N)``) the scores of :class:`Report` objects go through the region:
+    each of the ``max_inflight`` batches in flight writes its own 1/max_inflight of it (a
+    64-byte-aligned window; what does not fit goes inline), reused only once the batch that
+    last wrote it was answered. The stream owns the region and closes it in :meth:`close`.
 
-    Thread-safety: ``send`` calls are serialized by a lock; use one stream per rank (and,
-    for tensor parallelism, one thread per rank: a rank's batch is answered only once every
-    rank has reported its steps).
+    Thread-safety: ``submit``/``send`` calls are serialized by a lock; use one stream per
+    rank (and, for tensor parallelism, one thread per rank: a rank's batch is answered only
+    once every rank has reported its steps).
     """
 
     def __init__(self, stub: pb_grpc.KvCacheStub, *, rank: int = 0,
                  timeout: Optional[float] = None, metadata=None,
-                 score_region: Optional["ScoreRegion"] = None) -> None:
-        """``timeout``: seconds to wait for each reply (None: forever). A reply that misses
-        it fails the stream with DEADLINE_EXCEEDED, since its steps may still be decided.
-        ``score_region``: a registered region the stream then owns (closes with itself)."""
+                 score_region: Optional["ScoreRegion"] = None, max_inflight: int = 1) -> None:
+        """``timeout``: seconds from sending a batch to its reply (None: forever). A reply
+        that misses it fails the stream with DEADLINE_EXCEEDED, since its steps may still be
+        decided. ``score_region``: a registered region the stream then owns (closes with
+        itself). ``max_inflight``: batches sent and not yet answered, at most; keep it at or
+        under the daemon's --max_inflight_batches (default 8), past which the daemon stops
+        reading the stream and the extra batches only wait, their timeout running.
+        Raises ValueError for a ``max_inflight`` outside 1..1024."""
+        check_max_inflight(max_inflight)
         self.rank = rank
         self.timeout = timeout
+        self.max_inflight = max_inflight
         self.score_region = score_region
         self._requests: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-        self._replies: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-        self._batch_ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._sent = 0  # batches sent; the last one's batch_id
+        self._submit_lock = threading.Lock()  # one batch built and written at a time
+        self._state = threading.Condition()   # guards what follows; notified on each change
+        self._pending: Deque[_InFlight] = collections.deque()  # oldest first
         self._failure: Optional[KvCacheError] = None
         self._closed = False
         self._call = stub.StepStream(self._outgoing(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name=f"kvcache-stream-rank{rank}",
                                         daemon=True)
         self._reader.start()
+        if timeout is not None:
+            threading.Thread(target=self._watch_deadlines, daemon=True,
+                             name=f"kvcache-stream-rank{rank}-deadlines").start()
 
     def _outgoing(self) -> Iterator[pb.StepBatch]:
         while True:
@@ -137,94 +214,213 @@ class StepStream:
                 return
             yield item
 
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                self._replies.put(reply)
-            self._replies.put(_END)
-        except grpc.RpcError as error:
-            self._replies.put(error)
-
     @property
     def failed(self) -> Optional[KvCacheError]:
         """The error that ended the stream, or None while it works."""
         return self._failure
 
+    @property
+    def unanswered(self) -> int:
+        """Batches sent whose replies have not arrived."""
+        with self._state:
+            return len(self._pending)
+
+    # -- sending ----------------------------------------------------------------------------
+
     def send(self, reports: Iterable[ReportLike]) -> List[Decision]:
         """Sends one batch; returns its decisions, one per report, in order."""
+        return self.submit(reports).result()
+
+    def submit(self, reports: Iterable[ReportLike]) -> StepFuture:
+        """Sends one batch without waiting for its reply; the future's result is what
+        :meth:`send` returns. Blocks while ``max_inflight`` batches are unanswered."""
         reports = list(reports)
-        return self.send_built(lambda region: reports_to_proto(reports, region))
+        return self.submit_built(lambda region: reports_to_proto(reports, region))
 
     def send_built(self, build: Callable[[Optional["ScoreRegion"]], List[pb.StepReport]]
                    ) -> List[Decision]:
-        """Sends the batch ``build(region)`` returns, built under the stream's lock once
-        the region (None without one) is free to be written from its start."""
-        with self._lock:
-            if self._failure is not None:
-                raise self._failure
-            if self._closed:
-                raise KvCacheError(grpc.StatusCode.CANCELLED, "the step stream is closed")
-            region = self.score_region
-            if region is not None:
-                region.begin_batch()  # the previous batch's decisions have all arrived
-            messages = build(region)
+        """:meth:`submit_built`, then its result."""
+        return self.submit_built(build).result()
+
+    def submit_built(self, build: Callable[[Optional["ScoreRegion"]], List[pb.StepReport]],
+                     transform: Optional[Callable[[List[Decision]], Any]] = None
+                     ) -> StepFuture:
+        """Sends the batch ``build(region)`` returns, built under the stream's lock once a
+        slot is free and the region (None without one) may be written from its window's
+        start; returns its future. ``transform(decisions)``, when given, makes the future's
+        result: it runs on the reader thread, before the future is done. Raises the
+        stream's failure, or CANCELLED once closed, instead of sending."""
+        future = StepFuture(transform)
+        with self._submit_lock:
+            self._wait_for_slot()
+            messages = build(self._region_window())
             if not messages:
-                return []
-            batch_id = next(self._batch_ids)
+                future._finish([])
+                return future
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            with self._state:
+                self._raise_if_over()
+                self._sent += 1
+                batch_id = self._sent
+                self._pending.append(_InFlight(batch_id, len(messages), deadline, future))
+                self._state.notify_all()  # the deadline watch may have a new oldest batch
+            future.batch_id = batch_id
             self._requests.put(pb.StepBatch(rank=self.rank, batch_id=batch_id,
                                             reports=messages))
-            reply = self._wait_reply(batch_id)
-            if len(reply.decisions) != len(messages):
-                raise self._fail(grpc.StatusCode.INTERNAL,
-                                 f"batch {batch_id} of {len(messages)} reports got "
-                                 f"{len(reply.decisions)} decisions")
-            return [Decision.from_proto(d) for d in reply.decisions]
+        return future
 
-    def _wait_reply(self, batch_id: int) -> pb.DecisionBatch:
-        try:
-            reply = self._replies.get(timeout=self.timeout)
-        except queue.Empty:
-            self._call.cancel()
-            raise self._fail(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"no reply to batch {batch_id} within {self.timeout} s "
-                             "(for tensor parallelism: has every rank sent its step?)") from None
-        if isinstance(reply, grpc.RpcError):
-            self._failure = KvCacheError.from_rpc_error(reply, f"StepStream (rank {self.rank})")
+    def _wait_for_slot(self) -> None:
+        """Back-pressure: waits until fewer than ``max_inflight`` batches are unanswered.
+        REQUIRES: the submit lock (so that the slot stays free for this batch)."""
+        with self._state:
+            while True:
+                self._raise_if_over()
+                if len(self._pending) < self.max_inflight:
+                    return
+                self._state.wait()  # an answer, a failure or close() notifies
+
+    def _raise_if_over(self) -> None:
+        if self._failure is not None:
             raise self._failure
-        if reply is _END:
-            raise self._fail(grpc.StatusCode.UNAVAILABLE,
-                             f"the daemon ended the step stream before answering batch "
-                             f"{batch_id}")
-        if reply.batch_id != batch_id:
-            raise self._fail(grpc.StatusCode.INTERNAL,
-                             f"reply for batch {reply.batch_id} while batch {batch_id} waited")
-        return reply
+        if self._closed:
+            raise KvCacheError(grpc.StatusCode.CANCELLED, "the step stream is closed")
 
-    def _fail(self, code: grpc.StatusCode, message: str) -> KvCacheError:
-        self._failure = KvCacheError(code, f"StepStream (rank {self.rank}): {message}")
-        return self._failure
+    def _region_window(self) -> Optional["ScoreRegion"]:
+        """The region, its cursor set to this batch's window (None without a region).
+
+        Window i of max_inflight is reused by every max_inflight-th batch sent: when a
+        slot is free, at most max_inflight - 1 newer batches are unanswered, so the batch
+        that last wrote the window has its decisions and the daemon is done reading it."""
+        region = self.score_region
+        if region is None:
+            return None
+        size = (region.byte_size if self.max_inflight == 1
+                else region.byte_size // self.max_inflight // ALIGNMENT * ALIGNMENT)
+        start = (self._sent % self.max_inflight) * size
+        region.begin_batch(start, start + size)
+        return region
+
+    # -- replies ----------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                if not self._deliver(reply):
+                    return
+        except grpc.RpcError as error:
+            if self._closed:
+                self._fail_pending(self._closed_error())
+            else:
+                self._fail(KvCacheError.from_rpc_error(error, f"StepStream (rank {self.rank})"))
+            return
+        if self._closed:
+            self._fail_pending(self._closed_error())
+            return
+        with self._state:
+            waiting = self._pending[0].batch_id if self._pending else None
+        self._fail(self._error(grpc.StatusCode.UNAVAILABLE, "the daemon ended the step stream"
+                               + (f" before answering batch {waiting}" if waiting else "")))
+
+    def _deliver(self, reply: pb.DecisionBatch) -> bool:
+        """Hands the reply to the oldest batch in flight, which it must be for; otherwise
+        fails the stream. Returns whether to read on."""
+        with self._state:
+            oldest = self._pending[0] if self._pending else None
+            problem = self._mismatch(reply, oldest)
+            if problem is None:
+                self._pending.popleft()
+                self._state.notify_all()  # a slot is free; the deadline watch moves on
+        if problem is not None or oldest is None:
+            self._fail(self._error(grpc.StatusCode.INTERNAL, problem or ""), cancel=True)
+            return False
+        oldest.future._finish([Decision.from_proto(d) for d in reply.decisions])
+        return True
+
+    @staticmethod
+    def _mismatch(reply: pb.DecisionBatch, oldest: Optional[_InFlight]) -> Optional[str]:
+        if oldest is None:
+            return f"reply for batch {reply.batch_id} while no batch was in flight"
+        if reply.batch_id != oldest.batch_id:
+            return (f"reply for batch {reply.batch_id} while batch {oldest.batch_id} waited "
+                    "(the daemon answers a stream's batches in order)")
+        if len(reply.decisions) != oldest.reports:
+            return (f"batch {oldest.batch_id} of {oldest.reports} reports got "
+                    f"{len(reply.decisions)} decisions")
+        return None
+
+    def _watch_deadlines(self) -> None:
+        """Fails the stream when the oldest batch in flight is past its deadline (the
+        others are behind it: replies come in order)."""
+        with self._state:
+            while self._failure is None and not self._closed:
+                oldest = self._pending[0] if self._pending else None
+                left = None if oldest is None else oldest.deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._state.wait(left)
+            else:
+                return
+        self._fail(self._error(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no reply to batch {oldest.batch_id} within {self.timeout} s (for tensor "
+            "parallelism: has every rank sent its step?)"), cancel=True)
+
+    # -- failure and close --------------------------------------------------------------------
+
+    def _error(self, code: grpc.StatusCode, message: str) -> KvCacheError:
+        return KvCacheError(code, f"StepStream (rank {self.rank}): {message}")
+
+    def _closed_error(self) -> KvCacheError:
+        return self._error(grpc.StatusCode.CANCELLED,
+                           "the step stream was closed before this batch was answered")
+
+    def _fail(self, error: KvCacheError, *, cancel: bool = False) -> KvCacheError:
+        """Ends the stream with ``error`` (the first failure stays the stream's): every
+        batch in flight fails with it. Returns the stream's failure."""
+        with self._state:
+            if self._failure is None:
+                self._failure = error
+            error = self._failure
+        if cancel:
+            self._call.cancel()
+        self._fail_pending(error)
+        return error
+
+    def _fail_pending(self, error: KvCacheError) -> None:
+        with self._state:
+            doomed = list(self._pending)
+            self._pending.clear()
+            self._state.notify_all()
+        for batch in doomed:  # out of the deque: no one else sets these futures
+            batch.future.set_exception(error)
 
     def close(self, timeout: float = 1.0) -> None:
-        """Ends the stream (half-close, then cancel if the daemon does not finish it), then
-        unregisters and unlinks its score region, if any."""
-        if self._closed:
-            return
-        self._closed = True
+        """Ends the stream: half-closes it, so that the daemon answers the batches in flight
+        (their futures get their decisions), then cancels it if the daemon has not finished
+        within ``timeout`` seconds; the batches still unanswered then fail with CANCELLED.
+        Then unregisters and unlinks its score region, if any."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            self._state.notify_all()  # a submit held back by max_inflight gives up
         try:
             self._requests.put(_CLOSE)
-            self._reader.join(timeout)
-            if self._reader.is_alive():
-                self._call.cancel()
+            if threading.current_thread() is not self._reader:  # not from a done-callback
                 self._reader.join(timeout)
+                if self._reader.is_alive():
+                    self._call.cancel()
+                    self._reader.join(timeout)
         finally:
+            self._fail_pending(self._closed_error())
             if self.score_region is not None:
-                # A send still waiting (another thread) ends with the stream: let it.
-                locked = self._lock.acquire(timeout=timeout)
+                # A submit still building (another thread) ends with the stream: let it.
+                locked = self._submit_lock.acquire(timeout=timeout)
                 try:
                     self.score_region.close()
                 finally:
                     if locked:
-                        self._lock.release()
+                        self._submit_lock.release()
 
     def __enter__(self) -> "StepStream":
         return self
