@@ -19,6 +19,7 @@
 #   lib/compat the C++ runtime they were linked against, used only where the machine's
 #              is older
 #   data/      the golden vectors
+#   python/    the Python client's wheel, when the build made it (run.sh installs it)
 #   MANIFEST   what was built from which commit, with sizes
 # It must stay under 48 MiB; the script fails otherwise.
 set -euo pipefail
@@ -54,6 +55,10 @@ if [ -z "$from_build" ]; then
   timeout 3600 cmake --build "$build" -j "${KVCM_BUILD_JOBS:-$(nproc)}" \
     --target kvcm_gpu_checks >"$carry.build.log" 2>&1 ||
     { tail -40 "$carry.build.log"; say "FAIL: build"; exit 1; }
+  # The Python client's wheel, for run.sh to install; absent without protoc,
+  # grpc_python_plugin or setuptools (the carry is complete without it).
+  timeout 600 cmake --build "$build" --target kvcm_python_wheel >>"$carry.build.log" 2>&1 ||
+    say "note: no Python wheel (target kvcm_python_wheel not built; see $carry.build.log)"
 else
   build="$from_build"
 fi
@@ -98,6 +103,13 @@ if command -v strip >/dev/null 2>&1; then
   strip --strip-unneeded "$carry"/lib/*.so* "$carry"/lib/compat/*.so* 2>/dev/null || true
 fi
 cp -r tests/data/golden "$carry/data/"
+# The Python client's wheel (clients/python/CMakeLists.txt), which run.sh installs.
+wheel=$(ls "$build"/python/dist/kvcache_client-*-py3-none-any.whl 2>/dev/null | tail -1 || true)
+if [ -n "$wheel" ]; then
+  mkdir -p "$carry/python" && cp "$wheel" "$carry/python/"
+else
+  say "note: no Python wheel in $build/python/dist (build the target kvcm_python_wheel)"
+fi
 
 # What it is, and the size check.
 bytes=$(du -sb "$carry" | awk '{print $1}')
@@ -108,6 +120,7 @@ bytes=$(du -sb "$carry" | awk '{print $1}')
   echo "cuda arch: $(grep -E '^CMAKE_CUDA_ARCHITECTURES' "$build/CMakeCache.txt" | cut -d= -f2)"
   echo "build type: $(grep -E '^CMAKE_BUILD_TYPE' "$build/CMakeCache.txt" | cut -d= -f2)"
   echo "nccl: $([ -x "$carry/bin/gpu_nccl_join_test" ] && echo 'built (libnccl.so.2 from the machine)' || echo 'not built')"
+  echo "python wheel: $([ -n "$wheel" ] && basename "$wheel" || echo 'none')"
   echo "bytes: $bytes"
   echo
   (cd "$carry" && find . -type f ! -name MANIFEST | sort | xargs ls -l | awk '{print $5, $9}')

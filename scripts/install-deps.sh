@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-pytest python3-yaml python3-numpy
   python3-torch libopenblas0-pthread python3-matplotlib
+  python3-setuptools python3-wheel python3-venv
   prometheus yamllint unzip
   openssl libssl-dev
   libucx-dev

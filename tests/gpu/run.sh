@@ -94,7 +94,7 @@ fi
 
 phase "carry ($carry)"
 [ -f "$carry/MANIFEST" ] && [ -d "$carry/bin" ] || { say "FAIL: $carry is not a carry (no MANIFEST or bin/)"; exit 1; }
-sed -n '1,7p' "$carry/MANIFEST"
+sed -n '1,8p' "$carry/MANIFEST"
 libs="$carry/lib"
 # The bundled C++ runtime only where the machine's is older than the one linked against.
 ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
@@ -146,6 +146,36 @@ gtest kernels_test
 gtest pools_test
 gtest gpu_kernel_parity_test 'CudaAdapterTest.*:DeviceCountTest.*' device_count
 gtest gpu_block_pool_test 'CudaBlockPoolTest.HostStorageHasNoCudaExport:CudaBlockPoolTest.RejectsADeviceThatDoesNotExist' pool_host
+
+# The Python client's wheel (the carry's python/), installed as a user would: a virtual
+# environment on this machine's python3 that sees its grpcio, protobuf and torch, the wheel
+# without dependencies (no registry here), then the client, its stubs and kvcache_client.torch
+# imported from outside the carry. A python3 without those packages is a note, not a failure.
+# Called with a GPU visible only (after the no-GPU exit), which keeps that path short.
+python_wheel_check() {
+  local wheel venv="$out/python-venv"
+  wheel=$(ls "$carry"/python/kvcache_client-*.whl 2>/dev/null | tail -1)
+  [ -n "$wheel" ] || { note "no Python wheel in the carry: the client's install was not checked"; return 0; }
+  [ "$have_python" = 1 ] || return 0
+  if ! run python_deps 120 python3 -c 'import grpc, google.protobuf, torch'; then
+    note "python3 lacks grpcio, protobuf or torch: the wheel was not installed ($(tail -1 "$out/logs/python_deps.log"))"
+    return 0
+  fi
+  # Without ensurepip (Debian without python3-venv), the system's pip serves the venv.
+  run python_venv 120 python3 -m venv --system-site-packages "$venv" ||
+    run python_venv 120 python3 -m venv --system-site-packages --without-pip "$venv" ||
+    { fail "python3 -m venv failed (logs/python_venv.log)"; return 0; }
+  run python_wheel_install 180 env -u PYTHONPATH "$venv/bin/python" -m pip install --no-index \
+      --no-deps --disable-pip-version-check "$wheel" ||
+    { fail "pip could not install $(basename "$wheel") (logs/python_wheel_install.log)"; return 0; }
+  (cd "$out" && run python_wheel_import 180 env -u PYTHONPATH "$venv/bin/python" -c '
+import sys, kvcache_client, kvcache_client.torch, kvcache.v1.kvcache_pb2_grpc as g
+for m in (kvcache_client, kvcache_client.torch, g):
+    assert m.__file__.startswith(sys.prefix), f"{m.__name__} from {m.__file__}, not {sys.prefix}"
+    print(m.__name__, m.__file__)') ||
+    { fail "the installed wheel does not import (logs/python_wheel_import.log)"; return 0; }
+  say "python wheel: $(basename "$wheel") installed and imported"
+}
 
 write_json() {  # the verdict and the figures, from the logs and JSON written so far
   [ "$have_python" = 1 ] || return 0
@@ -224,6 +254,9 @@ if [ "$visible" = 0 ]; then
   say "logs and gpu-check.json: $out"
   exit 77
 fi
+
+phase "Python client wheel"
+python_wheel_check
 
 phase "GPU tests ($visible GPU(s))"
 gtest gpu_kernel_parity_test
