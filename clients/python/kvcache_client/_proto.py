@@ -11,8 +11,10 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvcache_client needs the generated modules kvcache.v1.kvcache_pb2 and "
-        "kvcache_pb2_grpc: build them (cmake --build build --target kvcm_python_stubs) and "
-        "put build/python on PYTHONPATH next to clients/python (see docs/PYTHON.md)"
+        "kvcache_pb2_grpc: install the wheel the build makes (pip install "
+        "build/python/dist/kvcache_client-*.whl), or build them (cmake --build build "
+        "--target kvcm_python_stubs) and put build/python on PYTHONPATH next to "
+        "clients/python (see docs/PYTHON.md, \"Install\")"
     ) from error
 
 __all__ = ["pb", "pb_grpc", "dtype_to_proto", "dtype_from_proto", "layout_to_proto",
