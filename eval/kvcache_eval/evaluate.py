@@ -17,7 +17,15 @@ region. Then:
    alpha in {0, 0.5, 0.8, 0.9, 0.95}, Lazy r in {1, 2, 4, 8} and Score-Free, and the
    relevance-shift task (the question changes mid-generation);
 3. throughput at the longest context: full cache, full refresh, Lazy4 and Score-Free,
-   end to end, with where the time goes.
+   end to end, with where the time goes;
+4. the first step composed with prefill-time selection: inertia, Lazy4 and Score-Free,
+   each plain, with an observation window (--window: step 1 pools the prompt's last w
+   queries' attention, kvcache_client.torch.ObservationWindow), with span pooling
+   (--span_pool: the daemon max-pools every row over k positions) and with both, at every
+   compression ratio, on the first --composed_per_task samples of each task, and in the
+   relevance-shift task; every difference with a paired bootstrap interval
+   (kvcache_eval/bootstrap.py); before it a small sweep of w and k (--sweep_per_task
+   samples of a set of its own, full generations at --ablation_ratio).
 
 With --handoff, also (not by default) the disaggregated hand-off of
 docs/DISAGGREGATION.md: two daemons on loopback with the same pools; each generation decides
@@ -47,7 +55,7 @@ from kvcache_client import KvCacheClient, Policy
 from kvcache_client.policy import PRESETS  # the one list: cache_manager/policy/presets.txt
 from kvcache_client.torch import KvPoolMapping
 
-from . import diagnostics, report, tasks
+from . import bootstrap, diagnostics, report, tasks
 from .daemon import REPO_ROOT, Kvcached, pool_flags, scrape
 from .model import load
 from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
@@ -59,6 +67,17 @@ DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "weights" / "decoder.pt"
 RATIOS = (0.5, 0.8, 0.9)
 ALPHAS = (0.0, 0.5, 0.8, 0.9, 0.95)
 LAZY = (1, 2, 4, 8)
+
+#: The first step composed with prefill-time selection: which presets, which variants (an
+#: observation window, span pooling), the sweep's grid.
+COMPOSED_PRESETS = ("inertia", "inertia_lazy4", "score_free")
+VARIANTS = ("plain", "window", "span", "both")
+VARIANT_SUFFIX = {"plain": "", "window": "+window", "span": "+span", "both": "+window+span"}
+#: Chosen with the sweep (docs/EVALUATION.md shows this run's): the defaults of --window
+#: and --span_pool.
+WINDOW, SPAN_POOL = 4, 7
+SWEEP_WINDOWS = (0, 2, 4, 8, 16)
+SWEEP_SPANS = (0, 3, 5, 7, 9)
 
 
 def main_configs(ratios: Sequence[float] = RATIOS,
@@ -89,11 +108,13 @@ def ablation_configs(ratio: float) -> List[RunConfig]:
 
 def run_set(runner: Runner, model: Any, samples: Sequence[tasks.Sample],
             configs: Sequence[RunConfig], label: str) -> Dict[str, List[Outcome]]:
-    """Every configuration on every sample (each sample prefilled once)."""
+    """Every configuration on every sample (each sample prefilled once, filling the
+    observation windows the configurations use)."""
     results: Dict[str, List[Outcome]] = {c.name: [] for c in configs}
+    windows = sorted({c.window for c in configs if c.window})
     started = time.perf_counter()
     for index, sample in enumerate(samples):
-        pre = prefill(model, sample)
+        pre = prefill(model, sample, windows)
         for config in configs:
             results[config.name].append(runner.run(config, pre, index))
         if (index + 1) % max(1, len(samples) // 10) == 0:
@@ -158,6 +179,190 @@ def throughput(runner: Runner, model: Any, length: int, new_tokens: int, repeats
             row[key.replace("_s", "_ms_per_token")] = 1000 * row[key] / row["steps"]
     return {"length": length, "new_tokens": new_tokens, "repeats": repeats, "ratio": ratio,
             "rows": rows}
+
+
+def span_pool_supported(client: KvCacheClient) -> bool:
+    """Whether the daemon span-pools: one that predates it drops the unknown Policy field
+    (proto3) and pools nothing, so the resolved policy of a sequence is read back."""
+    try:
+        policy = Policy(preset="inertia", span_pool=3)
+    except TypeError:  # a client without the field
+        return False
+    with client.batch() as batch:
+        sid = "span-pool-probe"
+        state = batch.open(sid, 8, budget_tokens=4, policy=policy)
+        batch.close_sequence(sid)
+    return getattr(state.policy, "span_pool", 0) == 3
+
+
+def composed_policy(preset: str, span: int) -> Any:
+    """``preset``, with the daemon span-pooling its rows over ``span`` positions."""
+    return Policy(preset=preset, span_pool=span) if span > 1 else preset
+
+
+def variant_name(preset: str, variant: str, ratio: float) -> str:
+    return f"{preset}{VARIANT_SUFFIX[variant]}@{ratio}"
+
+
+def composed_variants(span: int) -> Tuple[str, ...]:
+    """The variants a run can measure: those with span pooling need a daemon that pools."""
+    return VARIANTS if span > 1 else ("plain", "window")
+
+
+def composed_configs(ratios: Sequence[float], window: int, span: int,
+                     presets: Sequence[str] = COMPOSED_PRESETS) -> List[RunConfig]:
+    """The full cache, then every preset in every variant at every ratio."""
+    out = [RunConfig("full", None)]
+    for ratio in ratios:
+        for preset in presets:
+            for variant in composed_variants(span):
+                out.append(RunConfig(
+                    variant_name(preset, variant, ratio),
+                    composed_policy(preset, span if variant in ("span", "both") else 0),
+                    ratio, window=window if variant in ("window", "both") else 0))
+    return out
+
+
+def sweep_configs(ratio: float, windows: Sequence[int], spans: Sequence[int]) -> List[RunConfig]:
+    return [RunConfig(f"sweep-w{w}-k{k}@{ratio}", composed_policy("inertia", k), ratio,
+                      window=w) for w in windows for k in spans]
+
+
+def sweep(runner: Runner, model: Any, samples: Sequence[tasks.Sample], ratio: float,
+          spans: Sequence[int]) -> Dict[str, Any]:
+    """Inertia at ``ratio`` over the grid of window sizes and span widths: the evidence
+    kept after step 1 and the accuracy, per (w, k)."""
+    configs = sweep_configs(ratio, SWEEP_WINDOWS, spans)
+    print(f"sweep: {len(samples)} samples x {len(configs)} configurations", flush=True)
+    out = run_set(runner, model, samples, configs, "sweep")
+    grid = {}
+    for w in SWEEP_WINDOWS:
+        for k in spans:
+            v = out[f"sweep-w{w}-k{k}@{ratio}"]
+            grid[f"{w},{k}"] = {
+                "evidence_kept": statistics.mean(o.evidence_kept for o in v),
+                "accuracy": sum(o.correct for o in v) / len(v),
+                "first_token_kept": sum(o.first_token_kept for o in v) / len(v)}
+    best = max(grid, key=lambda c: (grid[c]["evidence_kept"], grid[c]["accuracy"]))
+    return {"ratio": ratio, "samples": len(samples), "windows": list(SWEEP_WINDOWS),
+            "spans": list(spans), "grid": grid, "best": best}
+
+
+def paired(treated: Sequence[Outcome], control: Sequence[Outcome],
+           field: str) -> Dict[str, Any]:
+    """The paired bootstrap interval of ``treated - control`` in ``field``."""
+    interval = bootstrap.paired_difference([float(getattr(o, field)) for o in treated],
+                                           [float(getattr(o, field)) for o in control])
+    return asdict(interval)
+
+
+def composed_comparisons(out: Dict[str, List[Outcome]], ratios: Sequence[float],
+                         span: int) -> Dict[str, Any]:
+    """Every variant against its plain preset (accuracy, evidence kept after step 1), and
+    every configuration at the lowest ratio against the full cache (accuracy)."""
+    against_plain: Dict[str, Any] = {}
+    for ratio in ratios:
+        for preset in COMPOSED_PRESETS:
+            plain = out[variant_name(preset, "plain", ratio)]
+            for variant in composed_variants(span)[1:]:
+                other = out[variant_name(preset, variant, ratio)]
+                against_plain[variant_name(preset, variant, ratio)] = {
+                    "accuracy": paired(other, plain, "correct"),
+                    "evidence_kept": paired(other, plain, "evidence_kept")}
+    low = min(ratios)
+    against_full = {name: paired(v, out["full"], "correct")
+                    for name, v in out.items() if name.endswith(f"@{low}")}
+    return {"against_plain": against_plain, "against_full": against_full, "full_ratio": low}
+
+
+def composed(runner: Runner, model: Any, args: argparse.Namespace,
+             samples: Sequence[tasks.Sample], span_ok: bool,
+             reuse: Optional[Dict[str, List[Outcome]]] = None) -> Dict[str, Any]:
+    """The section "The first step composed with prefill-time selection": the sweep, then
+    the composed configurations on ``samples``. ``reuse``: outcomes on these samples that
+    the main part measured already (the full cache, the plain presets), by name; decisions
+    are deterministic, so running them again would give the same."""
+    span = args.span_pool if span_ok else 0
+    spans = SWEEP_SPANS if span_ok else (0,)
+    swept = sweep(runner, model, tasks.eval_set(args.seed + 29, args.sweep_per_task,
+                                                [int(x) for x in args.lengths.split(",")]),
+                  args.ablation_ratio, spans) if args.sweep_per_task else None
+    reuse = reuse or {}
+    configs = [c for c in composed_configs(RATIOS, args.window, span) if c.name not in reuse]
+    print(f"composed: {len(samples)} samples x {len(configs)} configurations (and "
+          f"{len(reuse)} of the main part's)", flush=True)
+    out = {**reuse, **run_set(runner, model, samples, configs, "composed")}
+    runs = {}
+    for name, v in out.items():
+        runs[name] = summarize(v)
+        runs[name]["first_token_kept"] = sum(o.first_token_kept for o in v) / len(v)
+        kept = [o.correct for o, f in zip(v, out["full"])
+                if f.correct and o.evidence_kept == 1.0]
+        runs[name]["correct_if_kept"] = sum(kept) / len(kept) if kept else float("nan")
+        runs[name]["kept_samples"] = len(kept)
+    return {"window": args.window, "span_pool": span, "span_pool_asked": args.span_pool,
+            "span_supported": span_ok, "variants": list(composed_variants(span)),
+            "presets": list(COMPOSED_PRESETS), "ratios": list(RATIOS),
+            "samples": len(samples), "sweep": swept, "runs": runs,
+            "comparisons": composed_comparisons(out, RATIOS, span),
+            "resamples": bootstrap.RESAMPLES, "bootstrap_seed": bootstrap.SEED}
+
+
+def composed_samples(samples: Sequence[tasks.Sample], per_task: int) -> List[int]:
+    """The indices of the first ``per_task`` samples of each task (of the main set)."""
+    seen: Dict[str, int] = {}
+    out = []
+    for index, sample in enumerate(samples):
+        if seen.get(sample.task, 0) < per_task:
+            seen[sample.task] = seen.get(sample.task, 0) + 1
+            out.append(index)
+    return out
+
+
+def shift_composed(out: Dict[str, List[Outcome]], ratios: Sequence[float],
+                   span: int) -> Dict[str, Any]:
+    """The relevance-shift runs of the composed configuration against their plain presets:
+    the second question and both, paired intervals."""
+    rows = {}
+    for ratio in ratios:
+        for preset in COMPOSED_PRESETS:
+            plain = out[variant_name(preset, "plain", ratio)]
+            name = variant_name(preset, "both" if span > 1 else "window", ratio)
+            rows[name] = {"second": paired(out[name], plain, "last_correct"),
+                          "both": paired(out[name], plain, "correct")}
+    return rows
+
+
+SHIFT_PRESETS = ("inertia", "inertia_lazy4", "score_free", "tova", "h2o", "streaming_llm")
+
+
+def relevance_shift(runner: Runner, model: Any, args: argparse.Namespace,
+                    lengths: Sequence[int], span_ok: bool) -> Dict[str, Any]:
+    """The relevance-shift task: every shift preset, and the composed first step of
+    inertia, Lazy4 and Score-Free (the window, with span pooling where the daemon does
+    it), at each --shift_ratio."""
+    ratios = [float(x) for x in args.shift_ratio.split(",")]
+    shift = tasks.shift_set(args.seed + 7, args.per_task * 2, lengths, args.shift_gap)
+    span = args.span_pool if span_ok else 0
+    variant = "both" if span > 1 else "window"
+    composed_too = "composed" not in set(filter(None, args.skip.split(",")))
+    configs = [RunConfig("full", None)]
+    for ratio in ratios:
+        configs += [RunConfig(f"{p}@{ratio}", p, ratio) for p in SHIFT_PRESETS]
+        if composed_too:
+            configs += [RunConfig(variant_name(p, variant, ratio), composed_policy(p, span),
+                                  ratio, window=args.window) for p in COMPOSED_PRESETS]
+    print(f"shift: {len(shift)} samples x {len(configs)} configurations", flush=True)
+    out = run_set(runner, model, shift, configs, "shift")
+    return {
+        "gap": args.shift_gap, "ratios": ratios,
+        "runs": {name: {"second": summarize(v, "last_correct")["accuracy"],
+                        "both": summarize(v)["accuracy"],
+                        "first": sum(o.generated[:len(s.answer)] == s.answer
+                                     for o, s in zip(v, shift)) / len(v)}
+                 for name, v in out.items()},
+        "composed": shift_composed(out, ratios, span) if composed_too else {},
+        "composed_variant": variant}
 
 
 DIAGNOSED = ("inertia", "inertia_lazy4", "h2o", "tova")
@@ -289,9 +494,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="samples per task of the hand-off part (default: per_task / 4)")
     parser.add_argument("--kv_transfer", default=None, choices=("ucx", "grpc"),
                         help="the hand-off daemons' --kv_transfer (default: theirs)")
+    parser.add_argument("--window", type=int, default=WINDOW,
+                        help="the composed configurations' observation window (prompt "
+                        "queries pooled into step 1)")
+    parser.add_argument("--span_pool", type=int, default=SPAN_POOL,
+                        help="the composed configurations' span pooling width (odd, 3-255)")
+    parser.add_argument("--composed_per_task", type=int, default=20,
+                        help="samples per task of the composed section (the main set's first)")
+    parser.add_argument("--sweep_per_task", type=int, default=4,
+                        help="samples per task of the window/span sweep (0: no sweep)")
     parser.add_argument("--skip", default="",
                         help="comma list of parts to skip: "
-                        "main,ablations,shift,diagnostics,throughput")
+                        "main,composed,ablations,shift,diagnostics,throughput")
     return parser.parse_args(list(argv))
 
 
@@ -319,11 +533,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runner = Runner(model, client, mapping, seed=args.seed)
         try:
             samples = tasks.eval_set(args.seed, args.per_task, lengths)
+            main_out: Dict[str, List[Outcome]] = {}
             if "main" not in skip:
                 t = time.perf_counter()
                 print(f"main: {len(samples)} samples x {len(main_configs())} configurations",
                       flush=True)
-                out = run_set(runner, model, samples, main_configs(), "main")
+                out = main_out = run_set(runner, model, samples, main_configs(), "main")
                 results["main"] = {name: summarize(v) for name, v in out.items()}
                 full = out["full"]
                 for name, v in out.items():  # do evictions of anything but evidence hurt?
@@ -334,6 +549,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     results["main"][name]["kept_samples"] = len(kept)
                 results["wall"]["main"] = time.perf_counter() - t
                 print(report.main_tables(results), flush=True)
+            span_ok = span_pool_supported(client)
+            if not span_ok:
+                print("composed: this kvcached does not span-pool (Policy.span_pool is not "
+                      "read back): the window alone", flush=True)
+            if "composed" not in skip:
+                t = time.perf_counter()
+                chosen = composed_samples(samples, args.composed_per_task)
+                plain = {c.name for c in composed_configs(RATIOS, 0, 0)}  # full and plain
+                reuse = {name: [v[i] for i in chosen] for name, v in main_out.items()
+                         if name in plain}
+                results["composed"] = composed(runner, model, args,
+                                               [samples[i] for i in chosen], span_ok, reuse)
+                results["wall"]["composed"] = time.perf_counter() - t
+                print(report.composed_tables(results), flush=True)
             if "ablations" not in skip:
                 t = time.perf_counter()
                 configs = ablation_configs(args.ablation_ratio)
@@ -356,26 +585,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(report.ablation_tables(results), flush=True)
             if "shift" not in skip:
                 t = time.perf_counter()
-                shift_ratios = [float(x) for x in args.shift_ratio.split(",")]
-                shift = tasks.shift_set(args.seed + 7, args.per_task * 2, lengths,
-                                        args.shift_gap)
-                configs = [RunConfig("full", None)]
-                for ratio in shift_ratios:
-                    configs += [RunConfig(f"{p}@{ratio}", p, ratio)
-                                for p in ("inertia", "inertia_lazy4", "score_free", "tova",
-                                          "h2o", "streaming_llm")]
-                print(f"shift: {len(shift)} samples x {len(configs)} configurations",
-                      flush=True)
-                out = run_set(runner, model, shift, configs, "shift")
-                results["shift"] = {
-                    "gap": args.shift_gap, "ratios": shift_ratios,
-                    "runs": {name: {"second": summarize(v, "last_correct")["accuracy"],
-                                    "both": summarize(v)["accuracy"],
-                                    "first": sum(o.generated[:len(s.answer)] == s.answer
-                                                 for o, s in zip(v, shift)) / len(v)}
-                             for name, v in out.items()}}
+                results["shift"] = relevance_shift(runner, model, args, lengths, span_ok)
                 results["wall"]["shift"] = time.perf_counter() - t
                 print(report.shift_table(results), flush=True)
+                if results["shift"]["composed"]:
+                    print(report.composed_shift_table(results), flush=True)
             if "diagnostics" not in skip:
                 t = time.perf_counter()
                 results["diagnostics"] = eviction_diagnostics(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -84,8 +84,9 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> (out [B, T, d], keys, values [B, kv_heads, T, head_dim])."""
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> (out [B, T, d], queries [B, heads, T, head_dim], keys, values
+        [B, kv_heads, T, head_dim]; RoPE applied to the queries and keys)."""
         cfg = self.cfg
         b, t, _ = x.shape
 
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         weights = torch.softmax(logits, dim=-1)
         out = torch.bmm(weights, v.reshape(b * cfg.kv_heads, t, cfg.head_dim))
         out = out.view(b, cfg.heads, t, cfg.head_dim).transpose(1, 2).reshape(b, t, -1)
-        return self.o(out), k, v
+        return self.o(out), q, k, v
 
 
 class Block(nn.Module):
@@ -142,16 +143,22 @@ class Decoder(nn.Module):
         """tokens [B, T] -> logits [B, T, vocab]."""
         return self.prefill(tokens)[0]
 
-    def prefill(self, tokens: torch.Tensor
+    def prefill(self, tokens: torch.Tensor, windows: Sequence[Any] = ()
                 ) -> Tuple[torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
         """tokens [B, T] -> (logits [B, T, vocab], per-layer keys and values [B, kv_heads,
-        T, head_dim], RoPE applied to the keys)."""
+        T, head_dim], RoPE applied to the keys). ``windows``: observation windows
+        (kvcache_client.torch.ObservationWindow) of a one-sequence batch, each filled
+        layer by layer from the prompt's queries and keys as the prefill runs."""
+        if windows and tokens.shape[0] != 1:
+            raise ValueError("observation windows are per sequence: prefill one at a time")
         t = tokens.shape[1]
         cos, sin = self.cos[:t], self.sin[:t]
         x = self.embed(tokens)
         keys, values = [], []
         for block in self.blocks:
-            out, k, v = block.attn(block.attn_norm(x), cos, sin)
+            out, q, k, v = block.attn(block.attn_norm(x), cos, sin)
+            for window in windows:
+                window.add(q[0], k[0])
             x = x + out
             x = x + block.mlp(block.ffn_norm(x))
             keys.append(k)

@@ -102,11 +102,100 @@ def ablation_tables(results: Dict[str, Any]) -> str:
 def shift_table(results: Dict[str, Any]) -> str:
     s = results["shift"]
     rows = []
-    names = list(s["runs"])
+    names = [n for n in s["runs"] if "+" not in n]  # the composed ones: their own table
     for name in names:
         v = s["runs"][name]
         rows.append([name, v["first"], v["second"], v["both"]])
     return table(["configuration", "first question", "second question", "both"], rows)
+
+
+def ci(interval: Dict[str, float], digits: int = 2, scale: float = 1.0) -> str:
+    """``+0.16 [+0.09, +0.23]`` of a bootstrap.Interval's fields (``scale`` 100: points)."""
+    f = f"{{:+.{digits}f}}"
+    return (f"{f.format(scale * interval['estimate'])} [{f.format(scale * interval['low'])}, "
+            f"{f.format(scale * interval['high'])}]")
+
+
+VARIANT_LABEL = {"plain": "plain", "window": "+ window", "span": "+ span pooling",
+                 "both": "+ window + span pooling"}
+
+
+def _name(preset: str, variant: str, ratio: float) -> str:
+    suffix = {"plain": "", "window": "+window", "span": "+span", "both": "+window+span"}
+    return f"{preset}{suffix[variant]}@{ratio}"
+
+
+def sweep_table(results: Dict[str, Any]) -> str:
+    sw = results["composed"]["sweep"]
+    header = ["window w", *[f"k = {k}" if k > 1 else "no span pooling" for k in sw["spans"]]]
+    rows = []
+    for w in sw["windows"]:
+        cells = []
+        for k in sw["spans"]:
+            g = sw["grid"][f"{w},{k}"]
+            cells.append(f"{pct(g['evidence_kept'])} / {g['accuracy']:.2f}")
+        rows.append([str(w) if w else "0 (off)", *cells])
+    return table(header, rows)
+
+
+def composed_evidence_table(results: Dict[str, Any]) -> str:
+    c = results["composed"]
+    runs, against = c["runs"], c["comparisons"]["against_plain"]
+    rows = []
+    for variant in c["variants"]:
+        cells = []
+        for r in c["ratios"]:
+            name = _name("inertia", variant, r)
+            cell = pct(runs[name]["evidence_kept"])
+            if variant != "plain":
+                cell += f" ({ci(against[name]['evidence_kept'], 1, 100)} pts)"
+            cells.append(cell)
+        kept = runs[_name("inertia", variant, max(c["ratios"]))]["first_token_kept"]
+        rows.append([VARIANT_LABEL[variant], *cells, pct(kept)])
+    return table(["step 1", *[f"ρ = {r}" for r in c["ratios"]],
+                  f"new token kept at {max(c['ratios'])}"], rows)
+
+
+def composed_accuracy_table(results: Dict[str, Any]) -> str:
+    c = results["composed"]
+    runs, against = c["runs"], c["comparisons"]["against_plain"]
+    rows = [["full cache", *[f"{runs['full']['accuracy']:.2f}"] * len(c["ratios"])]]
+    for preset in c["presets"]:
+        for variant in c["variants"]:
+            cells = []
+            for r in c["ratios"]:
+                name = _name(preset, variant, r)
+                cell = f"{runs[name]['accuracy']:.2f}"
+                if variant != "plain":
+                    cell += f" ({ci(against[name]['accuracy'])})"
+                cells.append(cell)
+            rows.append([f"{preset} {VARIANT_LABEL[variant]}", *cells])
+    return table(["configuration", *[f"ρ = {r}" for r in c["ratios"]]], rows)
+
+
+def composed_shift_table(results: Dict[str, Any]) -> str:
+    s = results["shift"]
+    runs, comp = s["runs"], s["composed"]
+    rows = []
+    for ratio in s["ratios"]:
+        for preset in ("inertia", "inertia_lazy4", "score_free"):
+            plain = runs[f"{preset}@{ratio}"]
+            rows.append([f"{preset}@{ratio}", plain["first"], plain["second"], plain["both"],
+                         "", ""])
+            name = _name(preset, s["composed_variant"], ratio)
+            v = runs[name]
+            rows.append([name, v["first"], v["second"], v["both"], ci(comp[name]["second"]),
+                         ci(comp[name]["both"])])
+    return table(["configuration", "first question", "second question", "both",
+                  "Δ second", "Δ both"], rows)
+
+
+def composed_tables(results: Dict[str, Any]) -> str:
+    parts = []
+    if results["composed"].get("sweep"):
+        parts.append(sweep_table(results))
+    parts += [composed_evidence_table(results), composed_accuracy_table(results)]
+    return "\n\n".join(parts)
 
 
 def diagnostics_table(results: Dict[str, Any]) -> str:
@@ -271,6 +360,8 @@ def plots(results: Dict[str, Any], img: Path) -> List[str]:
         fig.savefig(img / "eval_ablations.png")
         plt.close(fig)
         written.append("eval_ablations.png")
+    if results.get("composed"):
+        written.append(_composed_plot(results["composed"], img, plt))
     tp = results.get("throughput")
     if tp:
         rows = tp["rows"]
@@ -292,6 +383,33 @@ def plots(results: Dict[str, Any], img: Path) -> List[str]:
         plt.close(fig)
         written.append("eval_throughput.png")
     return written
+
+
+def _composed_plot(c: Dict[str, Any], img: Path, plt: Any) -> str:
+    """Evidence kept after step 1 and accuracy against ρ, inertia in every variant."""
+    runs, ratios = c["runs"], c["ratios"]
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.8), dpi=110)
+    for variant in c["variants"]:
+        names = [_name("inertia", variant, r) for r in ratios]
+        axes[0].plot(ratios, [runs[n]["evidence_kept"] for n in names], marker="o",
+                     label=VARIANT_LABEL[variant])
+        axes[1].plot(ratios, [runs[n]["accuracy"] for n in names], marker="o",
+                     label=VARIANT_LABEL[variant])
+    axes[1].axhline(runs["full"]["accuracy"], color="grey", linestyle="--", label="full cache")
+    axes[0].set_ylabel("evidence kept after step 1")
+    axes[1].set_ylabel("exact-match accuracy")
+    for ax in axes:
+        ax.set_xlabel("compression ratio ρ")
+        ax.set_xticks(list(ratios))
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"Inertia, step 1 composed with prefill-time selection (w = {c['window']}, "
+                 f"k = {c['span_pool']})")
+    fig.tight_layout()
+    fig.savefig(img / "eval_composed.png")
+    plt.close(fig)
+    return "eval_composed.png"
 
 
 # -- the page ------------------------------------------------------------------------------

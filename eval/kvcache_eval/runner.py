@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 
 from kvcache_client import ImportedSequence, KvCacheClient, Policy
-from kvcache_client.torch import DecodeLoop, DenseKvCache, KvPoolMapping, PooledKvCache
+from kvcache_client.torch import (DecodeLoop, DenseKvCache, KvPoolMapping,
+                                  ObservationWindow, PooledKvCache)
 
 from . import diagnostics, tasks
 from .model import Decoder
@@ -53,6 +54,8 @@ class RunConfig:
     track_sets: bool = False          #: record the cached positions after every step
     trace: bool = False               #: record a diagnostics.SequenceTrace (folded only)
     handoff: bool = False             #: step 1 here, the rest on the peer daemon (imported)
+    window: int = 0                   #: observation window: step 1 pools the last w queries
+    first_step_only: bool = False     #: stop after step 1 (what it kept is all that counts)
 
 
 @dataclass
@@ -64,6 +67,8 @@ class Prefilled:
     values: List[torch.Tensor]
     first_token: int
     seconds: float
+    #: observation windows filled during the prefill, by size (RunConfig.window)
+    windows: Dict[int, ObservationWindow] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,18 +88,23 @@ class Outcome:
     apply_s: float                #: applying decisions to the cache (pool writes included)
     scoring_steps: int = 0
     evidence_kept: float = 1.0    #: share of the answer's source tokens cached after step 1
+    first_token_kept: bool = True  #: step 1's new token (position L0) survived its step
     sets: List[Set[int]] = field(default_factory=list)
     trace: Optional[diagnostics.SequenceTrace] = None
     handoff: Optional[ImportedSequence] = None  #: a hand-off run: what the import moved
 
 
-def prefill(model: Decoder, sample: tasks.Sample) -> Prefilled:
+def prefill(model: Decoder, sample: tasks.Sample, windows: Sequence[int] = ()) -> Prefilled:
+    """The prompt run once; ``windows``: the observation window sizes to fill as it runs
+    (those of the configurations that will decode from it)."""
     start = time.perf_counter()
+    filled = {size: ObservationWindow(size) for size in sorted(set(windows)) if size}
     with torch.no_grad():
-        logits, keys, values = model.prefill(torch.tensor([sample.prompt]))
+        logits, keys, values = model.prefill(torch.tensor([sample.prompt]),
+                                             list(filled.values()))
     return Prefilled(sample, [k[0].contiguous() for k in keys],
                      [v[0].contiguous() for v in values],
-                     int(logits[0, -1].argmax()), time.perf_counter() - start)
+                     int(logits[0, -1].argmax()), time.perf_counter() - start, filled)
 
 
 class _KeepAll:
@@ -195,7 +205,7 @@ class Runner:
             else:
                 cache = DenseKvCache(pre.keys, pre.values, capacity=L0 + 64)
             loop = DecodeLoop(batch, scorer=config.scorer)
-            loop.add(sid, cache)
+            loop.add(sid, cache, window=self._window(config, pre))
 
         stream: List[int] = []
         generated: List[int] = []
@@ -207,6 +217,7 @@ class Runner:
         sets: List[Set[int]] = []
         evidence = tasks.evidence(sample)
         evidence_kept = 1.0
+        first_token_kept = True
         steps = 0
         trace = None
         loops: List[DecodeLoop] = []  # a hand-off run's first loop (its steps on the source)
@@ -249,13 +260,19 @@ class Runner:
                             sid, steps, candidates, captures[sid], decision))
                 if config.track_sets:
                     sets.append(set(cache.positions))
-                if steps == 1 and evidence:
+                if steps == 1:
                     cached = set(cache.positions)
-                    evidence_kept = sum(p in cached for p in evidence) / len(evidence)
+                    first_token_kept = L0 in cached
+                    if evidence:
+                        evidence_kept = sum(p in cached for p in evidence) / len(evidence)
+                    if config.first_step_only:
+                        break
                 next_pred = int(logits.argmax())
                 if config.handoff and steps == 1:
                     loops.append(loop)
                     loop, cache, imported = self._hand_off(sid, config, loop, cache)
+            if config.first_step_only and steps:
+                break  # the answer is not generated: correct is False
         decode_s = time.perf_counter() - start
         if loop is not None:
             loops.append(loop)
@@ -268,10 +285,21 @@ class Runner:
             retained=len(cache), steps=steps, decode_s=decode_s,
             capture_s=stats["capture_s"], step_s=stats["step_s"], apply_s=stats["apply_s"],
             scoring_steps=int(stats["scoring_steps"]),
-            evidence_kept=evidence_kept, sets=sets, trace=trace, handoff=imported)
+            evidence_kept=evidence_kept, first_token_kept=first_token_kept, sets=sets,
+            trace=trace, handoff=imported)
         if sid is not None:
             loop.batch.close_sequence(sid)
         return outcome
+
+    @staticmethod
+    def _window(config: RunConfig, pre: Prefilled) -> Optional[ObservationWindow]:
+        """The observation window step 1 of ``config`` pools (None: off)."""
+        if not config.window:
+            return None
+        if config.window not in pre.windows:
+            raise ValueError(f"{config.name}: the prefill filled no observation window of "
+                             f"{config.window} (prefill(..., windows=...))")
+        return pre.windows[config.window]
 
     def _trace_step(self, sid: str, step: int, candidates: List[int], capture: Any,
                     decision: Any) -> diagnostics.StepTrace:

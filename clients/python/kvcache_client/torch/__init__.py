@@ -9,7 +9,8 @@ What a model worker needs around the client (docs/PYTHON.md, "The torch worker s
   heads' sum and count; batched over sequences of different lengths; with the paper's
   order-preserving scorer variants (``"vnorm"``, ``"entropy"``). :class:`StepScores`
   gathers a step's layers and gives the report: ``[layers, tokens]``, or the one folded
-  row of a folded sequence (SPEC.md "Folded reports").
+  row of a folded sequence (SPEC.md "Folded reports"). :class:`ObservationWindow`, filled
+  during prefill, makes step 1's rows pool the prompt's last queries' attention too.
 * **KV caches** that apply the daemon's decisions: :class:`DenseKvCache` (per-layer
   tensors the worker owns) and :class:`PooledKvCache` (the daemon's host shared-memory KV
   pool, mapped by :class:`KvPoolMapping`, addressed through the daemon's slot table).
@@ -42,9 +43,10 @@ except ImportError as _error:  # pragma: no cover - exercised where torch is abs
         from _error
 
 from .caches import DenseKvCache, KvCache, KvPoolMapping, PooledKvCache
-from .capture import SCORERS, StepScores, attention_row, attention_weights, pool_weights
+from .capture import (SCORERS, ObservationWindow, StepScores, attention_row,
+                      attention_weights, pool_weights)
 from .loop import DecodeLoop
 
 __all__ = ["SCORERS", "DecodeLoop", "DenseKvCache", "KvCache", "KvPoolMapping",
-           "PooledKvCache", "StepScores", "attention_row", "attention_weights",
-           "pool_weights"]
+           "ObservationWindow", "PooledKvCache", "StepScores", "attention_row",
+           "attention_weights", "pool_weights"]

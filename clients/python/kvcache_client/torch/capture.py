@@ -170,6 +170,113 @@ def _valid_counts(lengths: Optional[Any], batch: int, n: int, device: torch.devi
     return torch.as_tensor(lengths, device=device).reshape(-1).to(dtype)
 
 
+class ObservationWindow:
+    """The prompt's last queries' attention, gathered during prefill, that the capture of
+    decode step 1 pools with the first decode query's (an observation window, as SnapKV's).
+
+    Step 1 is the step that evicts ``L0 + 1 - B`` tokens at once, on the attention of one
+    query; with a window its layer row is instead, per layer, the MEAN over ``m + 1``
+    queries (``m = min(size, L0)``: the prompt queries at positions ``L0 - m ... L0 - 1``
+    and the first decode query, at ``L0``) of their head-pooled attention rows, each a
+    row over positions ``0 ... L0``: a prompt query's row is its causal softmax over the
+    positions it sees and 0 at those it cannot (those after it, the new token at ``L0``
+    included). Every query's row sums to 1, so the mean does too, as every later step's
+    row: the momentum's scale does not change at step 1 (a sum would weigh step 1
+    ``m + 1`` times as much as each later step under EMA, forever under ``cumulative``).
+    Pooling over heads (mean, or a rank's head sum), the scorers and the fold then apply to
+    this row as to a plain one; later steps are untouched. ``size = 0`` adds nothing: the
+    row is the plain one, bit for bit.
+
+    During prefill, per layer in model order: ``add(q, keys)``. Kept: one ``[heads, L0]``
+    sum per layer, on the inputs' device (float32; float64 for float64 inputs); each
+    ``add`` takes ``heads * m * L0`` more while it runs. Unbatched: one window per
+    sequence (slice a batched prefill's queries and keys per sequence).
+    """
+
+    def __init__(self, size: int, *, scale: Optional[float] = None) -> None:
+        """``size``: the prompt queries pooled (``w``; 0: none). ``scale``: the logit
+        scale, default ``1 / sqrt(d)`` (the model's own, if it differs)."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"observation window size must be an integer >= 0, got "
+                             f"{size!r}")
+        self.size = size
+        self.scale = scale
+        self.prefill_len: Optional[int] = None
+        self.queries = 0             #: m = min(size, L0): the prompt queries pooled
+        self.seconds = 0.0           #: host time spent in add() (on CUDA: not waiting)
+        self._sums: List[Tensor] = []
+
+    @property
+    def layers(self) -> int:
+        return len(self._sums)
+
+    def add(self, q: Tensor, keys: Tensor) -> None:
+        """Adds the next layer (in model order) from its prompt queries and keys.
+
+        Args:
+          q: ``[heads, t, d]``, this layer's queries of the prompt's LAST ``t`` positions
+            (``t >= min(size, L0)``; all ``L0`` of them is fine: only the last ``m`` are
+            read), RoPE applied as the model's attention applies it.
+          keys: ``[kv_heads, L0, d]``, the layer's prompt keys (the cache's, RoPE applied).
+        Raises:
+          ValueError: shapes that do not fit one another or the layers added before.
+        """
+        start = time.perf_counter()
+        if q.dim() != 3 or keys.dim() != 3:
+            raise ValueError(f"q must be [heads, t, d] and keys [kv_heads, L0, d]; got "
+                             f"{tuple(q.shape)} and {tuple(keys.shape)}")
+        heads, t, d = q.shape
+        kv_heads, prefill_len, kd = keys.shape
+        if kd != d:
+            raise ValueError(f"q {tuple(q.shape)} and keys {tuple(keys.shape)} disagree on "
+                             "the head dimension")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"{heads} query heads do not group over {kv_heads} KV heads")
+        if self.prefill_len is not None and prefill_len != self.prefill_len:
+            raise ValueError(f"layer {self.layers} has {prefill_len} prompt keys, layer 0 "
+                             f"{self.prefill_len}")
+        m = min(self.size, prefill_len)
+        if t < m or t > prefill_len:
+            raise ValueError(f"q has {t} prompt queries; the window needs the last {m} of "
+                             f"a {prefill_len}-token prompt")
+        self.prefill_len, self.queries = prefill_len, m
+        self._sums.append(self._window_sum(q[:, t - m:], keys))
+        self.seconds += time.perf_counter() - start
+
+    def _window_sum(self, q: Tensor, keys: Tensor) -> Tensor:
+        """``[heads, L0]``: per query head, the sum of the window queries' causal rows."""
+        heads, m, d = q.shape
+        kv_heads, prefill_len, _ = keys.shape
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qg = q.to(wide).reshape(kv_heads, heads // kv_heads, m, d)
+        logits = torch.matmul(qg, keys.to(wide).transpose(-1, -2)[:, None])  # [kv, g, m, L0]
+        logits = logits * (self.scale if self.scale is not None else 1.0 / math.sqrt(d))
+        # Window query i sits at position L0 - m + i and sees the keys 0 ... L0 - m + i.
+        seen = torch.arange(prefill_len, device=q.device)[None, :] <= \
+            torch.arange(prefill_len - m, prefill_len, device=q.device)[:, None]
+        logits = logits.masked_fill(~seen, float("-inf"))
+        return torch.softmax(logits, dim=-1).sum(dim=-2).reshape(heads, prefill_len)
+
+    def pool(self, layer: int, weights: Tensor) -> Tensor:
+        """Step 1's weights ``[heads, L0 + 1]`` of ``layer`` (the first decode query's)
+        made the mean over the window's queries and it, per head (see the class)."""
+        if layer >= self.layers:
+            raise ValueError(f"the observation window has {self.layers} layers (fill it "
+                             f"during prefill: add(q, keys) per layer); this is layer {layer}")
+        sums = self._sums[layer]
+        if weights.dim() != 2 or weights.shape[0] != sums.shape[0] or \
+                weights.shape[1] != sums.shape[1] + 1:
+            raise ValueError(f"the observation window pools step 1 of a {self.prefill_len}"
+                             f"-token prompt ([{sums.shape[0]}, {sums.shape[1] + 1}] "
+                             f"weights); got {tuple(weights.shape)}")
+        if self.queries == 0:
+            return weights
+        wide = torch.float64 if torch.float64 in (weights.dtype, sums.dtype) else torch.float32
+        pooled = weights.to(wide).clone()
+        pooled[:, :-1] += sums.to(wide)
+        return pooled / (self.queries + 1)
+
+
 class StepScores:
     """The scores of one decode step, gathered layer by layer as the model runs.
 
@@ -185,11 +292,20 @@ class StepScores:
     batch that sends them carries the head count (``client.batch(head_count=...)``).
     ``seconds`` is the host time spent in this object (capture cost; on CUDA it does not
     wait for the device).
+
+    ``window`` (decode step 1 only, unbatched): an :class:`ObservationWindow` filled during
+    prefill; each layer's weights are pooled with the window's before the scorer and the
+    fold (the window is read, not changed).
     """
 
     def __init__(self, *, scorer: str = "attention",
                  fold_weights: Optional[Union[FoldWeights, Sequence[float]]] = None,
-                 head_sum: bool = False, scale: Optional[float] = None) -> None:
+                 head_sum: bool = False, scale: Optional[float] = None,
+                 window: Optional[ObservationWindow] = None) -> None:
+        if window is not None and not isinstance(window, ObservationWindow):
+            raise ValueError(f"window must be an ObservationWindow, not "
+                             f"{type(window).__name__}")
+        self.window = window
         if scorer not in SCORERS:
             raise ValueError(f"unknown scorer {scorer!r}; use one of {SCORERS}")
         if head_sum and scorer == "entropy":
@@ -239,6 +355,11 @@ class StepScores:
                 self._lengths = [int(x) for x in torch.as_tensor(lengths).reshape(-1)]
         elif self._batched != batched:
             raise ValueError("every layer of a step must be batched alike")
+        if self.window is not None:
+            if batched:
+                raise ValueError("an observation window pools one sequence's step 1; "
+                                 "capture a batched step without one")
+            weights = self.window.pool(self.layers, weights)
         pooled = pool_weights(weights, values=values, scorer=self.scorer, lengths=lengths,
                               head_sum=self.head_sum)
         if self.head_sum:
