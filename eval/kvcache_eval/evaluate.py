@@ -526,8 +526,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "model": asdict(cfg), "parameters": sum(p.numel() for p in model.parameters()),
         "wall": {},
     }
-    with Kvcached(pool_flags(cfg.layers, cfg.kv_heads, cfg.head_dim),
-                  binary=args.kvcached) as daemon, \
+    # --stream_idle_timeout=0: the runner's inline batch waits idle through every part
+    # before the throughput one (over an hour on a loaded machine); the default 10 min
+    # would end its stream.
+    with Kvcached([*pool_flags(cfg.layers, cfg.kv_heads, cfg.head_dim),
+                   "--stream_idle_timeout=0"], binary=args.kvcached) as daemon, \
             KvCacheClient(daemon.address, timeout=60) as client, \
             KvPoolMapping.for_rank(client, 0) as mapping:
         runner = Runner(model, client, mapping, seed=args.seed)
