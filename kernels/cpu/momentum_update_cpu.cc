@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kernels/cpu/hot_loops.h"
+#include "kernels/cpu/score_loader.h"
 #include "kernels/half_float.h"
 #include "kernels/momentum_update.h"
 #include "kernels/score_validation.h"
@@ -15,22 +16,7 @@ namespace {
 constexpr int64_t kBlock = 1024;  // 4 KiB of float32 momentum: stays in L1 across layers
 
 template <ScoreDtype D>
-struct Loader;
-template <>
-struct Loader<ScoreDtype::kFloat32> {
-  using T = float;
-  static float Load(T v) { return v; }
-};
-template <>
-struct Loader<ScoreDtype::kFloat16> {
-  using T = uint16_t;
-  static float Load(T v) { return Float16ToFloat(v); }
-};
-template <>
-struct Loader<ScoreDtype::kBFloat16> {
-  using T = uint16_t;
-  static float Load(T v) { return BFloat16ToFloat(v); }
-};
+using Loader = ScoreLoader<D>;
 
 template <ScoreDtype D>
 void AccumulateRow(const void* row, int64_t n, double* acc) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cpu/score_loader.h"
 #include "kernels/half_float.h"
 #include "kernels/span_pool.h"
 
@@ -11,22 +12,7 @@ namespace kvcm::kernels::cpu {
 namespace {
 
 template <ScoreDtype D>
-struct Loader;
-template <>
-struct Loader<ScoreDtype::kFloat32> {
-  using T = float;
-  static float Load(T v) { return v; }
-};
-template <>
-struct Loader<ScoreDtype::kFloat16> {
-  using T = uint16_t;
-  static float Load(T v) { return Float16ToFloat(v); }
-};
-template <>
-struct Loader<ScoreDtype::kBFloat16> {
-  using T = uint16_t;
-  static float Load(T v) { return BFloat16ToFloat(v); }
-};
+using Loader = ScoreLoader<D>;
 
 inline bool Valid(float v) { return v >= 0.0f && v <= FLT_MAX; }
 
