@@ -22,7 +22,8 @@ Everything a worker calls is importable from here (``__all__``), by what it is f
   :class:`ImportedSequence` (a hand-off between daemons: docs/DISAGGREGATION.md)
 * errors: :class:`KvCacheError`, :class:`StepError`, :class:`ScoreShapeError`,
   :class:`SequenceInFlightError`
-* scores: :class:`ScoreRegion` (the shared-memory transport), :class:`FoldWeights` and
+* scores: :class:`ScoreRegion` (the shared-memory transport, or a daemon's GPU memory
+  through ``cuda_runtime``, loaded only then), :class:`FoldWeights` and
   :func:`fold_scores`, :func:`encode_scores` / :func:`prepare_scores` /
   :func:`decode_scores`
 * torch workers: the subpackage ``kvcache_client.torch`` (needs torch; not imported here)

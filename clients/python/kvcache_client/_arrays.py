@@ -1,6 +1,8 @@
 """The numpy and torch paths of score packing: the shape and element type come from the
 array, and the scores are converted and copied in ONE pass into the destination buffer (a
-score region's range, or the bytes of an inline report).
+score region's range, or the bytes of an inline report). A torch tensor can also go into a
+destination tensor (a score region exposed as one, host or CUDA memory): converted and
+copied by ``copy_`` on the current stream, device to device when both are on the GPU.
 
 Neither library is imported here: an input is an array of one only if the caller has
 imported it already (``sys.modules``). Inline reports and score regions share these
@@ -17,8 +19,10 @@ from typing import Any, Callable, Optional, Tuple
 
 from .errors import ScoreShapeError
 
-#: (rows of a 2-D input or None, elements, wire dtype, writer of exactly the packed bytes)
-Plan = Tuple[Optional[int], int, str, Callable[[memoryview], None]]
+#: (rows of a 2-D input or None, elements, wire dtype, writer of exactly the packed bytes,
+#: writer into a uint8 torch tensor of exactly that size, or None for numpy input)
+Plan = Tuple[Optional[int], int, str, Callable[[memoryview], None],
+             Optional[Callable[[Any], None]]]
 
 _NUMPY_WIRE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 
@@ -75,7 +79,7 @@ def _numpy_plan(np: Any, a: Any, dtype: Optional[str],
             np.copyto(dst.reshape(a.shape), a)
     else:
         return None  # raw bytes and the rest: the buffer path
-    return (a.shape[0] if a.ndim == 2 else None), int(a.size), wire, write
+    return (a.shape[0] if a.ndim == 2 else None), int(a.size), wire, write, None
 
 
 def _bfloat16_bits(np: Any, a: Any) -> Any:
@@ -115,4 +119,11 @@ def _torch_plan(torch: Any, t: Any, dtype: Optional[str],
         dst = torch.frombuffer(target, dtype=target_type)
         dst.view(src.shape).copy_(src)  # CUDA: the one device-to-host copy, into target
 
-    return (t.shape[0] if t.dim() == 2 else None), int(t.numel()), wire, write
+    def write_tensor(target: Any) -> None:  # target: [nbytes] uint8, CPU or CUDA
+        src = t.detach()
+        if src.dtype != target_type and src.device != target.device:
+            src = src.to(target_type)  # convert where the scores are: fewer bytes to move
+        # On one device copy_ converts as it copies (the same casts as .to()): one pass.
+        target.view(target_type).view(src.shape).copy_(src)
+
+    return (t.shape[0] if t.dim() == 2 else None), int(t.numel()), wire, write, write_tensor

@@ -201,7 +201,10 @@ class KvCacheClient:
         stream owns it: closing the stream unregisters and unlinks it. Raises
         KvCacheError FAILED_PRECONDITION when the daemon was started without
         --allow_shm_scores. ``daemon_score_region``: the daemon creates the region
-        (CreateScoreRegion) instead of this process; the same otherwise. ``max_inflight``:
+        (CreateScoreRegion) instead of this process; the same otherwise, and a daemon
+        deciding on a GPU makes it device memory, which the region maps by CUDA IPC (torch
+        tensors' scores are then copied on the GPU: docs/PYTHON.md, "Device score
+        regions"). ``max_inflight``:
         batches in flight at once (``StepStream.submit``), each writing its own
         1/max_inflight of the region; at most the daemon's --max_inflight_batches."""
         check_max_inflight(max_inflight)  # before a region is made for nothing

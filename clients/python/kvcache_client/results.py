@@ -182,10 +182,10 @@ class CreatedScoreRegion:
     """A score region kvcached created (KvCacheClient.create_score_region).
 
     ``backend`` "host": a POSIX shared-memory object of the daemon's, ``shm_name``, mapped
-    read-write with shm_open and mmap(``bytes``) (:class:`ScoreRegion` with
-    ``from_daemon=True`` does it). "cuda": device memory on the daemon's engine GPU; open
-    ``cuda_ipc_handle`` with cudaIpcOpenMemHandle on the GPU whose UUID is
-    ``device_uuid`` and write the score rows there with your own kernels.
+    read-write with shm_open and mmap(``bytes``). "cuda": device memory on the daemon's
+    engine GPU, to open with cudaIpcOpenMemHandle (``cuda_ipc_handle``) on this process's
+    ordinal of the GPU at ``device_pci_bus_id`` whose UUID is ``device_uuid``.
+    :class:`ScoreRegion` with ``from_daemon=True`` maps either kind.
     """
 
     region: int

@@ -13,7 +13,8 @@ What :func:`encode_scores` accepts:
   sequence's score dtype when not given), and 16-bit integer buffers (``'H'``/``'h'``,
   e.g. ``bf16_tensor.view(torch.int16).numpy()``) hold float16 or bfloat16 bits;
 * a torch tensor (CPU or CUDA), 1-D or 2-D: floats of any width go as ``dtype`` or else
-  the sequence's dtype (converted on the tensor's device, then copied to the host once),
+  the sequence's dtype (converted on the tensor's device, then copied to the host once;
+  into a device score region, copied on the GPU instead),
   16-bit integers (``t.view(torch.int16)``) as float16/bfloat16 bits;
 * anything else with a ``tolist()`` method, converted through Python floats.
 
@@ -103,6 +104,13 @@ class PreparedScores:
     nbytes: int            #: layers * tokens * the dtype's size
     _data: Optional[bytes] = None
     _write: Optional[Callable[[memoryview], None]] = None
+    _write_tensor: Optional[Callable[[Any], None]] = None
+
+    @property
+    def from_tensor(self) -> bool:
+        """Whether the scores are a torch tensor (:meth:`write_into_tensor` then copies
+        them with ``copy_``, on the tensors' devices)."""
+        return self._write_tensor is not None
 
     def write_into(self, target: memoryview) -> None:
         """Packs the scores into ``target`` (writable, ``nbytes`` long)."""
@@ -112,6 +120,22 @@ class PreparedScores:
             self._write(target)
         else:
             target[:] = self._data  # type: ignore[index]
+
+    def write_into_tensor(self, target: Any) -> None:
+        """Packs the scores into ``target``: a flat uint8 torch tensor of ``nbytes``, in
+        host or CUDA memory, with the bytes :meth:`write_into` would write. A torch tensor
+        is converted and copied by ``target.copy_`` on the current stream (device to device
+        when both are on the GPU: no host copy); other scores are packed on the host, then
+        copied in."""
+        if target.numel() != self.nbytes:
+            raise ValueError(f"target holds {target.numel()} bytes, the scores {self.nbytes}")
+        if self._write_tensor is not None:
+            self._write_tensor(target)
+            return
+        torch = sys.modules["torch"]  # target is a tensor: torch is imported
+        packed = bytearray(self.nbytes)
+        self.write_into(memoryview(packed))
+        target.copy_(torch.frombuffer(packed, dtype=torch.uint8))
 
     def to_bytes(self) -> bytes:
         if self._data is not None:
@@ -161,10 +185,10 @@ def prepare_scores(scores: ScoresLike, *, dtype: Optional[str] = None,
     default_dtype = normalize_dtype(default_dtype)
     plan = _arrays.plan(scores, dtype, default_dtype)
     if plan is not None:
-        rows_2d, count, wire, write = plan
+        rows_2d, count, wire, write, write_tensor = plan
         shape_layers, width = _shape(count, rows_2d, layers, tokens)
         prepared = PreparedScores(shape_layers, width, wire, count * DTYPE_SIZES[wire],
-                                  _write=write)
+                                  _write=write, _write_tensor=write_tensor)
     elif isinstance(scores, (list, tuple)) and scores and not _is_number(scores[0]):
         encoded = _encode_rows(scores, dtype, default_dtype)
         if layers is not None and layers != encoded.layers:

@@ -170,7 +170,10 @@ class StepStream:
     score_region_bytes=N)``) the scores of :class:`Report` objects go through the region:
     each of the ``max_inflight`` batches in flight writes its own 1/max_inflight of it (a
     64-byte-aligned window; what does not fit goes inline), reused only once the batch that
-    last wrote it was answered. The stream owns the region and closes it in :meth:`close`.
+    last wrote it was answered. In a region in GPU memory the scores are written on the
+    current stream, and each batch is sent once that stream has reached a CUDA event
+    recorded after its last write (one wait per batch). The stream owns the region and
+    closes it in :meth:`close`.
 
     Thread-safety: ``submit``/``send`` calls are serialized by a lock; use one stream per
     rank (and, for tensor parallelism, one thread per rank: a rank's batch is answered only
@@ -253,7 +256,10 @@ class StepStream:
         future = StepFuture(transform)
         with self._submit_lock:
             self._wait_for_slot()
-            messages = build(self._region_window())
+            region = self._region_window()
+            messages = build(region)
+            if region is not None:
+                region.wait_for_writes()  # device memory: the GPU has written what we name
             if not messages:
                 future._finish([])
                 return future
