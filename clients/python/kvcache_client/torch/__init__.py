@@ -15,7 +15,9 @@ What a model worker needs around the client (docs/PYTHON.md, "The torch worker s
   tensors the worker owns) and :class:`PooledKvCache` (the daemon's host shared-memory KV
   pool, mapped by :class:`KvPoolMapping`, addressed through the daemon's slot table).
 * **a decode loop** (:class:`DecodeLoop`) that follows ``next_needs_scores``: no capture
-  on the steps that need no scores.
+  on the steps that need no scores; ``submit``/``complete`` keep a step in flight, and
+  :class:`MicroBatchedDecode` alternates micro-batches, each computed while the other's
+  step travels.
 
 Modules: ``capture`` (the scores), ``caches`` (the two KV caches), ``loop`` (the decode
 loop); import the names from here. The rest of ``kvcache_client`` does not import this
@@ -45,8 +47,9 @@ except ImportError as _error:  # pragma: no cover - exercised where torch is abs
 from .caches import DenseKvCache, KvCache, KvPoolMapping, PooledKvCache
 from .capture import (SCORERS, ObservationWindow, StepScores, attention_row,
                       attention_weights, pool_weights)
-from .loop import DecodeLoop
+from .loop import DecodeLoop, MicroBatchedDecode, MicroBatchTurn, PendingStep
 
 __all__ = ["SCORERS", "DecodeLoop", "DenseKvCache", "KvCache", "KvPoolMapping",
-           "ObservationWindow", "PooledKvCache", "StepScores", "attention_row",
-           "attention_weights", "pool_weights"]
+           "MicroBatchTurn", "MicroBatchedDecode", "ObservationWindow", "PendingStep",
+           "PooledKvCache", "StepScores", "attention_row", "attention_weights",
+           "pool_weights"]

@@ -1,5 +1,6 @@
 """The decode loop: steps a batch's sequences with their KV caches, capturing scores only
-on the steps that need them.
+on the steps that need them; and micro-batches alternating, each computed while the
+other's step is in flight to the daemon.
 
 Not thread-safe: a loop belongs to one worker thread.
 """
@@ -7,10 +8,28 @@ Not thread-safe: a loop belongs to one worker thread.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set
 
+from ..errors import SequenceInFlightError
 from .caches import KvCache
 from .capture import SCORERS, ObservationWindow, StepScores
+
+__all__ = ["DecodeLoop", "MicroBatchTurn", "MicroBatchedDecode", "PendingStep"]
+
+
+@dataclass
+class PendingStep:
+    """A step :meth:`DecodeLoop.submit` sent whose decisions are not applied yet: give it
+    to that loop's :meth:`~DecodeLoop.complete`. ``future`` is the batch's
+    :class:`~kvcache_client.StepFuture` (``done()`` says whether the decisions arrived)."""
+
+    future: Any
+    captures: Mapping[str, Optional[StepScores]]
+    sequence_ids: FrozenSet[str]
+    send_s: float                 #: spent in submit: packing, writing, waiting for a slot
+    loop: "DecodeLoop" = field(repr=False)
+    completed: bool = False
 
 
 class DecodeLoop:
@@ -28,7 +47,15 @@ class DecodeLoop:
     as it goes (their ``fold_weights``); a batch with a ``head_count`` (tensor-parallel
     rank) gets head-sum captures. ``stats`` adds up where the time went: ``capture_s``
     (inside the captures), ``step_s`` (packing and sending the reports and waiting for the
-    decisions: the daemon round trip), ``apply_s`` (applying them to the caches).
+    decisions: the daemon round trip), ``wait_s`` (the part of ``step_s`` the worker was
+    blocked on the daemon: all of it in ``finish``, the wait inside ``complete``),
+    ``apply_s`` (applying them to the caches).
+
+    Without waiting (a batch with ``max_inflight`` > 1): ``pending = loop.submit(captures)``
+    sends the step and returns at once; ``loop.complete(pending)`` waits for its decisions
+    and applies them, as ``finish`` does (which is the two back to back). Between the two
+    the step's sequences are in flight: their caches must not be touched, and ``begin``
+    refuses them (SequenceInFlightError). :class:`MicroBatchedDecode` alternates loops so.
 
     ``observation_window=w`` (default 0, off): step 1 pools the attention of the prompt's
     last ``w`` queries with the first decode query's (:class:`ObservationWindow`). ``add``
@@ -54,7 +81,9 @@ class DecodeLoop:
         self.caches: Dict[str, KvCache] = {}
         self.windows: Dict[str, ObservationWindow] = {}
         self.stats: Dict[str, float] = {"steps": 0, "scoring_steps": 0, "capture_s": 0.0,
-                                        "step_s": 0.0, "apply_s": 0.0}
+                                        "step_s": 0.0, "wait_s": 0.0, "apply_s": 0.0}
+        # Sequence ids of the steps submitted and not completed.
+        self._in_flight: Set[str] = set()
 
     def add(self, sequence_id: str, cache: KvCache, *,
             window: Optional[ObservationWindow] = None) -> None:
@@ -78,14 +107,22 @@ class DecodeLoop:
         return self.windows.get(sequence_id)
 
     def remove(self, sequence_id: str) -> None:
+        """Stops stepping ``sequence_id`` here; a step of it in flight is then completed
+        without applying its decision (there is no cache to apply it to)."""
         self.caches.pop(sequence_id, None)
         self.windows.pop(sequence_id, None)
 
     def begin(self) -> Dict[str, Optional[StepScores]]:
         """The captures of the next step: a :class:`StepScores` for each sequence whose
-        step needs scores, None for the others."""
+        step needs scores, None for the others. SequenceInFlightError while a sequence is
+        in a step submitted and not completed (whether it needs scores is not known yet)."""
         captures: Dict[str, Optional[StepScores]] = {}
         for sequence_id in self.caches:
+            if sequence_id in self._in_flight:
+                raise SequenceInFlightError(
+                    f"sequence {sequence_id!r} is in a step this loop submitted and has "
+                    "not completed: complete() it first (its next step depends on that "
+                    "decision, and its cache must not change meanwhile)")
             tracked = self.batch.sequences[sequence_id]
             if not tracked.next_needs_scores:
                 captures[sequence_id] = None
@@ -100,17 +137,181 @@ class DecodeLoop:
         """Sends the step of every sequence in ``captures`` and applies the decisions to
         their caches; returns the decisions. Raises StepError (nothing applied) when the
         daemon rejects one."""
-        reports = {sid: (None if c is None else c.report()) for sid, c in captures.items()}
+        reports = self._reports(captures)
         built = time.perf_counter()
         decisions = self.batch.step(reports, dtype=self.dtype, raise_on_error=True)
-        sent = time.perf_counter()
+        waited = time.perf_counter() - built
+        return self._apply(captures, decisions, step_s=waited, wait_s=waited)
+
+    def submit(self, captures: Mapping[str, Optional[StepScores]]) -> PendingStep:
+        """Sends the step of every sequence in ``captures`` without waiting for the
+        decisions (``SequenceBatch.submit_step``; blocks only while the batch has
+        ``max_inflight`` steps unanswered). The scores are packed before it returns, so
+        the captures' tensors may be reused; the caches may not, until :meth:`complete`.
+        Raises what ``submit_step`` raises before sending (SequenceInFlightError, KeyError)."""
+        reports = self._reports(captures)
+        built = time.perf_counter()
+        future = self.batch.submit_step(reports, dtype=self.dtype, raise_on_error=True)
+        sequence_ids = frozenset(captures)
+        self._in_flight |= sequence_ids
+        return PendingStep(future, captures, sequence_ids, time.perf_counter() - built, self)
+
+    def complete(self, pending: PendingStep) -> Dict[str, Any]:
+        """Waits for the decisions of a step :meth:`submit` sent, applies them to the
+        caches, drops the spent observation windows and returns the decisions, as
+        :meth:`finish`. Raises StepError (nothing applied) when the daemon rejected one,
+        and the stream's KvCacheError when it failed; the step is over either way."""
+        if pending.loop is not self:
+            raise ValueError("this step was submitted by another DecodeLoop")
+        if pending.completed:
+            raise ValueError("this step was completed already")
+        started = time.perf_counter()
+        try:
+            decisions = pending.future.result()
+        finally:
+            pending.completed = True
+            self._in_flight -= pending.sequence_ids
+        waited = time.perf_counter() - started
+        return self._apply(pending.captures, decisions, step_s=pending.send_s + waited,
+                           wait_s=waited)
+
+    @staticmethod
+    def _reports(captures: Mapping[str, Optional[StepScores]]) -> Dict[str, Any]:
+        return {sid: (None if c is None else c.report()) for sid, c in captures.items()}
+
+    def _apply(self, captures: Mapping[str, Optional[StepScores]],
+               decisions: Dict[str, Any], *, step_s: float, wait_s: float) -> Dict[str, Any]:
+        """Applies a step's accepted decisions to the caches; adds the step to ``stats``."""
+        started = time.perf_counter()
         for sequence_id, decision in decisions.items():
-            self.caches[sequence_id].apply(decision)
+            cache = self.caches.get(sequence_id)
+            if cache is not None:  # None: removed while its step was in flight
+                cache.apply(decision)
             self.windows.pop(sequence_id, None)  # step 1 is decided: the window is spent
         done = time.perf_counter()
         self.stats["steps"] += 1
         self.stats["scoring_steps"] += any(c is not None for c in captures.values())
         self.stats["capture_s"] += sum(c.seconds for c in captures.values() if c is not None)
-        self.stats["step_s"] += sent - built
-        self.stats["apply_s"] += done - sent
+        self.stats["step_s"] += step_s
+        self.stats["wait_s"] += wait_s
+        self.stats["apply_s"] += done - started
         return decisions
+
+
+class MicroBatchTurn(NamedTuple):
+    """One micro-batch's turn of :class:`MicroBatchedDecode`."""
+
+    index: int                                   #: which loop (0, 1, ...)
+    loop: DecodeLoop                             #: its caches are the model's to extend
+    captures: Dict[str, Optional[StepScores]]    #: as ``DecodeLoop.begin``
+    decisions: Optional[Dict[str, Any]]          #: its previous step's, applied (None: first)
+
+
+class MicroBatchedDecode:
+    """Micro-batches that alternate, each computed while the others' steps are in flight
+    to the daemon: the model is never idle waiting for a round trip while another
+    micro-batch has work.
+
+        batch = client.batch(max_inflight=2)         # daemon: --max_inflight_batches >= 2
+        halves = [DecodeLoop(batch), DecodeLoop(batch)]
+        for i, (sid, cache) in enumerate(sequences):
+            halves[i % 2].add(sid, cache)            # each sequence in one micro-batch
+        decode = MicroBatchedDecode(halves)
+        while generating:
+            turn = decode.begin()                    # A, then B, then A, ...
+            model.decode(turn.loop.caches, turn.captures)
+            decode.submit(turn.captures)             # sent; the next turn computes meanwhile
+        decode.drain()                               # the steps still in flight, applied
+
+    Invariant: a micro-batch's caches change only in its own turn. ``begin`` of loop ``i``
+    first completes loop ``i``'s step in flight (waits for its decisions and applies them,
+    :meth:`DecodeLoop.complete`), so the model extends caches that hold exactly what the
+    daemon kept; ``submit`` sends the step and moves the turn on without waiting. While
+    loop ``i``'s step travels, only the other loops' caches are computed on. Each
+    micro-batch therefore steps, and decides, exactly as it would with
+    ``begin``/``finish`` alone; the micro-batches only overlap in time.
+
+    The loops may share one batch (its ``max_inflight`` at least the number of loops that
+    share it, so that their steps are in flight together) or have one each; a sequence
+    belongs to one loop. ``stats``: ``turns`` (steps submitted), ``wait_s`` (time blocked
+    in ``begin``/``drain`` on the daemon's decisions), ``total_s`` (from the first
+    ``begin`` to the end of the latest call): ``wait_s`` well under ``total_s`` is the
+    round trip hidden behind the model. A StepError from ``begin`` (a rejected step,
+    nothing applied) leaves that turn open with nothing in flight.
+    """
+
+    def __init__(self, loops: Sequence[DecodeLoop]) -> None:
+        """``loops``: two (or more) loops, stepped in this order. ValueError when loops
+        share a batch whose ``max_inflight`` cannot hold their steps together."""
+        self.loops: List[DecodeLoop] = list(loops)
+        if len(self.loops) < 2:
+            raise ValueError(f"give at least two loops to alternate, got {len(self.loops)}")
+        if len({id(loop) for loop in self.loops}) != len(self.loops):
+            raise ValueError("each loop is one micro-batch: give distinct loops")
+        for loop in self.loops:
+            sharing = sum(other.batch is loop.batch for other in self.loops)
+            limit = getattr(loop.batch, "max_inflight", 1)
+            if sharing > limit:
+                raise ValueError(
+                    f"{sharing} loops share a batch with max_inflight={limit}: their steps "
+                    f"could not be in flight together; use client.batch(max_inflight="
+                    f"{sharing}) (and kvcached --max_inflight_batches >= {sharing})")
+        self.stats: Dict[str, float] = {"turns": 0, "wait_s": 0.0, "total_s": 0.0}
+        self._pending: List[Optional[PendingStep]] = [None] * len(self.loops)
+        self._turn = 0
+        self._open: Optional[int] = None     # the loop between begin and submit
+        self._started: Optional[float] = None
+
+    def begin(self) -> MicroBatchTurn:
+        """The next micro-batch's turn: its previous step completed and applied, then its
+        captures. Raises what :meth:`DecodeLoop.complete` raises."""
+        if self._open is not None:
+            raise RuntimeError(f"micro-batch {self._open}'s turn is open: submit() its "
+                               "captures first")
+        if self._started is None:
+            self._started = time.perf_counter()
+        index = self._turn
+        loop = self.loops[index]
+        decisions = self._complete(index)
+        self._open = index
+        turn = MicroBatchTurn(index, loop, loop.begin(), decisions)
+        self._clock()
+        return turn
+
+    def submit(self, captures: Mapping[str, Optional[StepScores]]) -> PendingStep:
+        """Sends the open turn's step (:meth:`DecodeLoop.submit`) and moves the turn to the
+        next micro-batch; returns the step in flight."""
+        if self._open is None:
+            raise RuntimeError("no turn is open: begin() first")
+        index = self._open
+        self._pending[index] = self.loops[index].submit(captures)
+        self._open = None
+        self._turn = (index + 1) % len(self.loops)
+        self.stats["turns"] += 1
+        self._clock()
+        return self._pending[index]  # type: ignore[return-value]
+
+    def drain(self) -> List[Optional[Dict[str, Any]]]:
+        """Completes every step still in flight, oldest first; returns each loop's
+        decisions (None where none was in flight). Each micro-batch's caches then hold
+        what the daemon kept, and ``begin`` may go on."""
+        order = [(self._turn + k) % len(self.loops) for k in range(len(self.loops))]
+        got: List[Optional[Dict[str, Any]]] = [None] * len(self.loops)
+        for index in order:
+            got[index] = self._complete(index)
+        self._clock()
+        return got
+
+    def _complete(self, index: int) -> Optional[Dict[str, Any]]:
+        pending, self._pending[index] = self._pending[index], None
+        if pending is None:
+            return None
+        waited = self.loops[index].stats["wait_s"]
+        try:
+            return self.loops[index].complete(pending)
+        finally:
+            self.stats["wait_s"] += self.loops[index].stats["wait_s"] - waited
+
+    def _clock(self) -> None:
+        if self._started is not None:
+            self.stats["total_s"] = time.perf_counter() - self._started
