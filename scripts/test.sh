@@ -13,7 +13,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+# Each stage says how long the one before took, so that a slow CI run shows where.
+stage_started=$SECONDS
+stage() {
+  if [ -n "${stage_name:-}" ]; then
+    echo "== $stage_name took $((SECONDS - stage_started)) s (total $SECONDS s)"
+  fi
+  stage_name=$1
+  stage_started=$SECONDS
+  echo "== $1"
+}
 
+stage "0/4 install what is missing (scripts/install-deps.sh)"
 scripts/install-deps.sh
 
 configure() {  # dir, extra cmake args...
@@ -22,15 +33,15 @@ configure() {  # dir, extra cmake args...
     { cat "$dir.configure.log"; exit 1; }
 }
 
-echo "== 1/4 full build and tests (build/)"
+stage "1/4 full build and tests (build/)"
 mkdir -p build
 configure build -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
 
-if [ "${1:-}" = "--quick" ]; then exit 0; fi
+if [ "${1:-}" = "--quick" ]; then stage "quick: done"; exit 0; fi
 
-echo "== 2/4 ASan+UBSan: engine, kvcache-replay and kvcached, with their tests (build-asan/)"
+stage "2/4 ASan+UBSan: engine, kvcache-replay and kvcached, with their tests (build-asan/)"
 mkdir -p build-asan
 configure build-asan -DCMAKE_BUILD_TYPE=Asan -DKVCM_CUDA=OFF -DKVCM_BUILD_BENCH=OFF
 cmake --build build-asan -j "$jobs"
@@ -43,7 +54,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 900 -LE 'deploy|python' \
     -E 'RepliesNobodyReadsDoNotGrowTheDaemon|MemoryLimitRefusesOpensPastItAndRssStaysBounded|AStreamThatNeverReadsIsHeldBackAndTheDaemonStaysSmall'
 
-echo "== 3/4 engine concurrency under TSan (build-tsan/)"
+stage "3/4 engine concurrency under TSan (build-tsan/)"
 mkdir -p build-tsan
 configure build-tsan -DCMAKE_BUILD_TYPE=Tsan -DKVCM_ENGINE_ONLY=ON -DKVCM_CUDA=OFF \
   -DKVCM_BUILD_BENCH=OFF
@@ -51,7 +62,7 @@ cmake --build build-tsan -j "$jobs"
 TSAN_OPTIONS=halt_on_error=1 \
   ctest --test-dir build-tsan --output-on-failure -L concurrency --timeout 900
 
-echo "== 4/4 clang: thread-safety analysis and fuzzing (build-fuzz/)"
+stage "4/4 clang: thread-safety analysis and fuzzing (build-fuzz/)"
 scripts/fuzz.sh "${KVCM_FUZZ_SECONDS:-45}"
 
-echo "== all tests passed"
+stage "all tests passed"
