@@ -474,9 +474,11 @@ TEST_P(FaultTest, ASourceKilledMidTransferLeavesTheTargetHoldingNothing) {
 
 TEST_P(FaultTest, ATargetKilledMidTransferLeavesTheSourceServingItExactly) {
   const std::vector<std::string> flags =
-      With(kBigPools, {"--kv_transfer=" + GetParam(), "--export_lease=2s"});
+      With(kBigPools, {"--kv_transfer=" + GetParam(), "--export_lease=6s"});
   std::unique_ptr<DaemonProcess> source = StartDaemon(flags);
   auto at_source = source->Connect();
+  const std::string kExpired = R"(kvcache_exports_total{result="expired"})";
+  double expired_before = 0;
   bool cut = false;
   std::string id;
   for (int attempt = 0; attempt < 3 && !cut; ++attempt) {
@@ -484,9 +486,18 @@ TEST_P(FaultTest, ATargetKilledMidTransferLeavesTheSourceServingItExactly) {
     ASSERT_TRUE(at_source->Open(Open(id, kBigPrefill)).ok());
     ASSERT_TRUE(at_source->Open(Open(id + "-twin", kBigPrefill)).ok());
     std::unique_ptr<DaemonProcess> target = StartDaemon(flags);
+    expired_before = Metric(*source, kExpired);
     const absl::Status imported = ImportAndKill(*source, *target, *target, id, &cut);
-    if (!cut) {
-      ASSERT_TRUE(imported.ok()) << imported;
+    // Not cut: the import either finished, or (on a loaded machine, 384 MiB a rank) ran past
+    // the lease, after which the source serves the sequence again; both leave nothing to
+    // test here, so the next attempt tries with another sequence.
+    if (!cut && !imported.ok()) {
+      ASSERT_EQ(imported.code(), absl::StatusCode::kFailedPrecondition) << imported;
+      ASSERT_THAT(imported.message(), HasSubstr("lease ran out")) << imported;
+      ASSERT_TRUE(at_source->Close(id).ok());
+    }
+    if (!cut) {  // the pools hold two such sequences: make room for the next attempt
+      ASSERT_TRUE(at_source->Close(id + "-twin").ok());
     }
   }
   ASSERT_TRUE(cut) << "every import finished before the target could be stopped";
@@ -496,7 +507,7 @@ TEST_P(FaultTest, ATargetKilledMidTransferLeavesTheSourceServingItExactly) {
   ASSERT_TRUE(refused.ok()) << refused.status();
   EXPECT_EQ(refused->decisions(0).code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(refused->decisions(0).message(), HasSubstr("being handed off"));
-  ASSERT_TRUE(testing::WaitFor([&] { return Metric(*source, R"(kvcache_exports_total{result="expired"})") >= 1; },
+  ASSERT_TRUE(testing::WaitFor([&] { return Metric(*source, kExpired) > expired_before; },
                       absl::Seconds(20), "the export's lease ran out"));
   // Then served again, exactly as the twin that never moved.
   v1::StepBatch twin1 = OneStep(id + "-twin", 1, kBigPrefill, 3);
