@@ -29,6 +29,7 @@
 #endif
 #ifdef KVCM_HAS_CUDA
 #include "cache_manager/kv/cuda_block_pool.h"
+#include "kernels/cuda/cuda_adapter.h"
 #endif
 #include "cache_manager/base/status_macros.h"
 #include "cache_manager/persist/restart.h"
@@ -597,7 +598,23 @@ absl::Status Daemon::ReloadAuthTokens() {
 void Daemon::ReclaimLoop() {
   // What the table had freed when memory was last handed back to the system.
   int64_t freed_at_trim = 0;
+#ifdef KVCM_HAS_CUDA
+  bool cuda_unusable = false;
+#endif
   while (!stop_reclaimer_.WaitForNotificationWithTimeout(options_.reclaim_interval)) {
+#ifdef KVCM_HAS_CUDA
+    // A sticky CUDA error (an illegal address in a kernel, an uncorrectable ECC error)
+    // fails every later step of every sequence on the GPU: NOT_SERVING, so that the
+    // orchestrator restarts the daemon instead of sending it more work.
+    if (const absl::Status sticky = kernels::cuda::StickyContextError();
+        !cuda_unusable && !sticky.ok()) {
+      cuda_unusable = true;
+      std::fprintf(stderr, "kvcached: ERROR: %s: NOT_SERVING\n",
+                   std::string(sticky.message()).c_str());
+      ForEachHealth([](HealthService& health) { health.SetServing(false); });
+      metrics_->SetServing(false);
+    }
+#endif
     // What closed sequences free stays in glibc's heap (kvcached_main keeps large buffers
     // there, and trims only its top): once a lot was freed, give it back.
     constexpr int64_t kTrimAfterBytes = int64_t{32} << 20;

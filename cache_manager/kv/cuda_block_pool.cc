@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/status_macros.h"
+#include "cache_manager/kv/ipc_export_size.h"
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/kv_compaction_cuda.h"
 
@@ -131,6 +132,16 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int d
     return absl::InvalidArgumentError(
         absl::StrCat("device KV storage of ", bytes, " bytes; it must be > 0"));
   }
+  // An exported allocation gets whole IPC units of its own (ipc_export_size.h): the
+  // handle of a smaller one would expose its neighbours in the allocator's block.
+  if (options.export_ipc) {
+    const int64_t requested = bytes;
+    bytes = CudaIpcAllocationBytes(requested);
+    if (bytes == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device KV storage of ", requested, " bytes is too large"));
+    }
+  }
   ASSIGN_OR_RETURN(CudaDeviceIdentity identity, DescribeCudaDevice(device));
   ScopedDevice on_device(device);
   RETURN_IF_ERROR(on_device.status());
@@ -172,7 +183,20 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int d
 absl::StatusOr<std::unique_ptr<BlockPool>> CreateCudaBlockPool(const BlockPoolOptions& options,
                                                                int device,
                                                                const CudaStorageOptions& storage) {
-  return BlockPool::Create(options, [device, storage](int64_t bytes) {
+  BlockPoolOptions capped = options;
+  if (storage.export_ipc) {
+    // The allocation is rounded up to whole IPC units; its blocks are counted within the
+    // whole units of the cap, so that what the device gives stays within the cap.
+    capped.memory_bytes = CudaIpcUsableCap(options.memory_bytes);
+    if (capped.memory_bytes < options.layout.BlockBytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", options.rank, " KV pool: exported by CUDA IPC handle, its device memory "
+          "comes in whole units of ", kCudaIpcGranularity, " bytes; the memory cap of ",
+          options.memory_bytes, " bytes holds ", capped.memory_bytes,
+          " bytes of them, below one block of ", options.layout.BlockBytes(), " bytes"));
+    }
+  }
+  return BlockPool::Create(capped, [device, storage](int64_t bytes) {
     return NewCudaKvStorage(bytes, device, storage);
   });
 }

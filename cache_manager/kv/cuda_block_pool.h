@@ -51,12 +51,18 @@ struct CudaIpcExport {
 absl::StatusOr<CudaIpcExport> CudaIpcExportOf(const KvStorage& storage);
 
 // `bytes` (> 0) of device memory on `device`, zero-filled (the fill has completed when
-// this returns). Errors: INVALID_ARGUMENT (size, a device that does not exist), INTERNAL
-// (CUDA, with the runtime's message; also when the device count cannot be read).
+// this returns). With export_ipc the allocation, bytes() and the export's size are
+// `bytes` rounded up to whole IPC units (CudaIpcAllocationBytes, ipc_export_size.h): an
+// exported allocation never shares the allocator's block with other memory. Errors:
+// INVALID_ARGUMENT (size, a device that does not exist), INTERNAL (CUDA, with the
+// runtime's message; also when the device count cannot be read).
 absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int device,
                                                             const CudaStorageOptions& options = {});
 
 // A BlockPool in device memory on `device` (BlockPool::Create with NewCudaKvStorage).
+// Exported (the default), its blocks fit within the whole IPC units of
+// options.memory_bytes (CudaIpcUsableCap), since the allocation is rounded up to them;
+// INVALID_ARGUMENT when those hold no block.
 absl::StatusOr<std::unique_ptr<BlockPool>> CreateCudaBlockPool(
     const BlockPoolOptions& options, int device, const CudaStorageOptions& storage = {});
 

@@ -166,6 +166,16 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
                         absl::StrCat("CreateScoreRegion of ", bytes,
                                      " bytes: ", storage.status().message()));
   }
+  // The allocator may have taken more than asked (device memory exported by IPC comes in
+  // whole 2 MiB units): the budget is charged what was taken, and the Mapping gives
+  // back storage->bytes() when it goes.
+  const int64_t taken = (*storage)->bytes();
+  if (budget != nullptr && taken > bytes && !budget->TryTake(taken - bytes, &refused_by)) {
+    budget->Give(bytes);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "CreateScoreRegion: ", bytes, " bytes take ", taken, " in device memory; ",
+        refused_by->Refusal(taken - bytes)));
+  }
   // Host memory: a descriptor of our own object, to see a worker shrink it (a read past
   // the end of a shrunk object is a SIGBUS).
   int fd = -1;
@@ -173,7 +183,7 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
     fd = shm_open(shm_name.c_str(), O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) {
       const int err = errno;
-      if (budget != nullptr) budget->Give(bytes);
+      if (budget != nullptr) budget->Give(taken);
       return absl::InternalError(absl::StrCat("CreateScoreRegion: cannot reopen ", shm_name,
                                               ": ", std::strerror(err)));
     }

@@ -1,31 +1,77 @@
 #include "cache_manager/tp/nccl_cross_device_join.h"
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/check.h"
 #include "cache_manager/base/status_macros.h"
+#include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/nccl_communicator.h"
 
 namespace kvcm {
 
-// A clique and, per rank, the device buffers of its join: the double workspace, and the
-// joined scores of the ranks whose result nobody reads (the caller's `out` is its own).
+// A clique and, per rank, what its joins use on the rank's device: a stream and an event of
+// the join's own, made with the clique (the engine's streams may be busy with other
+// sequences' steps, which must not count against the join's timeout), the staging of
+// strided partial sums it sends, and, where it is the root, the gathered partial sums.
 struct NcclCrossDeviceJoiner::Clique {
   std::unique_ptr<kernels::cuda::NcclCommunicator> comm;
-  std::vector<void*> workspace;
-  std::vector<void*> joined;
-  std::vector<size_t> elements;  // what each rank's buffers hold
+  std::vector<cudaStream_t> streams;
+  std::vector<cudaEvent_t> done;
+  std::vector<void*> staging;
+  std::vector<size_t> staging_bytes;
+  std::vector<void*> gathered;
+  std::vector<size_t> gathered_bytes;
 
   ~Clique() {
     const kernels::BackendMemory& mem = kernels::cuda::CudaBackend().mem;
-    for (size_t r = 0; r < workspace.size(); ++r) {
+    for (size_t r = 0; r < streams.size(); ++r) {
       if (!mem.set_device(comm->device(static_cast<int32_t>(r))).ok()) continue;
-      mem.release(workspace[r]);
-      mem.release(joined[r]);
+      mem.release(staging[r]);
+      mem.release(gathered[r]);
+      if (done[r] != nullptr) cudaEventDestroy(done[r]);
+      if (streams[r] != nullptr) cudaStreamDestroy(streams[r]);
     }
+  }
+
+  // The streams and events, on each rank's device.
+  absl::Status MakeStreams() {
+    const size_t world = static_cast<size_t>(comm->world_size());
+    streams.assign(world, nullptr);
+    done.assign(world, nullptr);
+    staging.assign(world, nullptr);
+    staging_bytes.assign(world, 0);
+    gathered.assign(world, nullptr);
+    gathered_bytes.assign(world, 0);
+    for (size_t r = 0; r < world; ++r) {
+      const int device = comm->device(static_cast<int32_t>(r));
+      RETURN_IF_ERROR(kernels::cuda::CudaBackend().mem.set_device(device));
+      const std::string what = absl::StrCat("the NCCL join on device ", device, ": ");
+      RETURN_IF_ERROR(kernels::cuda::CudaStatus(
+          cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking),
+          absl::StrCat(what, "cudaStreamCreate")));
+      RETURN_IF_ERROR(kernels::cuda::CudaStatus(
+          cudaEventCreateWithFlags(&done[r], cudaEventDisableTiming),
+          absl::StrCat(what, "cudaEventCreate")));
+    }
+    return absl::OkStatus();
+  }
+
+  // `*buffer` of at least `bytes` on the current device.
+  static absl::Status Ensure(size_t bytes, void** buffer, size_t* capacity) {
+    if (bytes <= *capacity) return absl::OkStatus();
+    const kernels::BackendMemory& mem = kernels::cuda::CudaBackend().mem;
+    mem.release(*buffer);
+    *buffer = nullptr;
+    *capacity = 0;
+    RETURN_IF_ERROR(mem.allocate(bytes, buffer));
+    *capacity = bytes;
+    return absl::OkStatus();
   }
 };
 
@@ -49,37 +95,43 @@ absl::Status NcclCrossDeviceJoiner::Join(std::span<const kernels::ScoreMatrix> p
   if (clique == nullptr) {
     absl::StatusOr<std::unique_ptr<kernels::cuda::NcclCommunicator>> comm =
         kernels::cuda::NcclCommunicator::Create(key);
-    if (!comm.ok()) {
-      cliques_.erase(key);
-      return comm.status();
+    absl::Status made = comm.status();
+    if (made.ok()) {
+      clique = std::make_unique<Clique>();
+      clique->comm = *std::move(comm);
+      made = clique->MakeStreams();
     }
-    clique = std::make_unique<Clique>();
-    clique->comm = *std::move(comm);
-    clique->workspace.assign(key.size(), nullptr);
-    clique->joined.assign(key.size(), nullptr);
-    clique->elements.assign(key.size(), 0);
+    if (!made.ok()) {
+      cliques_.erase(key);
+      return made;
+    }
   }
   std::vector<kernels::cuda::RankJoinBuffers> buffers(key.size());
-  std::vector<kernels::StreamHandle> streams(key.size());
+  std::vector<void*> done(key.size());
+  kernels::cuda::JoinRoot root;
+  root.rank = static_cast<int32_t>(out_rank);
+  root.joined = out;
   for (size_t r = 0; r < key.size(); ++r) {
+    const kernels::ScoreMatrix& p = partials[r];
+    buffers[r].partial_sums = p;
+    buffers[r].stream = clique->streams[r];
+    buffers[r].done = done[r] = clique->done[r];
+    const bool packs = r != out_rank && p.layer_stride != p.tokens;
+    if (!packs && r != out_rank) continue;
     RETURN_IF_ERROR(mem.set_device(key[r]));
-    if (clique->elements[r] < n) {
-      mem.release(clique->workspace[r]);
-      mem.release(clique->joined[r]);
-      clique->workspace[r] = clique->joined[r] = nullptr;
-      clique->elements[r] = 0;
-      RETURN_IF_ERROR(mem.allocate(n * sizeof(double), &clique->workspace[r]));
-      RETURN_IF_ERROR(mem.allocate(n * sizeof(float), &clique->joined[r]));
-      clique->elements[r] = n;
+    if (packs) {
+      RETURN_IF_ERROR(Clique::Ensure(n * kernels::ScoreDtypeSize(p.dtype), &clique->staging[r],
+                                     &clique->staging_bytes[r]));
+      buffers[r].staging = clique->staging[r];
     }
-    RETURN_IF_ERROR(mem.device_stream(key[r], &streams[r]));
-    buffers[r].partial_sums = partials[r];
-    buffers[r].workspace = static_cast<double*>(clique->workspace[r]);
-    buffers[r].joined = r == out_rank ? out : static_cast<float*>(clique->joined[r]);
-    buffers[r].stream = streams[r];
+    if (r == out_rank && key.size() > 1) {
+      RETURN_IF_ERROR(Clique::Ensure(key.size() * n * sizeof(float), &clique->gathered[r],
+                                     &clique->gathered_bytes[r]));
+      root.gathered = clique->gathered[r];
+    }
   }
-  absl::Status joined = clique->comm->JoinPartialSums(buffers, total_heads);
-  if (joined.ok()) joined = clique->comm->Wait(streams, timeout_);
+  absl::Status joined = clique->comm->JoinPartialSums(buffers, total_heads, root);
+  if (joined.ok()) joined = clique->comm->Wait(done, timeout_);
   if (!joined.ok()) {
     cliques_.erase(key);  // aborted or unusable: the next join makes a new clique
     return absl::Status(joined.code(),

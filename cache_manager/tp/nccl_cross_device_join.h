@@ -1,13 +1,16 @@
 // NcclCrossDeviceJoiner: the tensor-parallel join of partial sums that sit one per rank
 // on distinct GPUs of this process (daemon-created score regions placed on each rank's
-// GPU): NcclCommunicator::JoinPartialSums (widen, all-reduce the doubles, divide) over a
-// clique of those GPUs, then NcclCommunicator::Wait, which polls ncclCommGetAsyncError
-// under the timeout, so that a failed or hung collective is an error instead of a hang.
-// Built with NCCL only (library kvcm::cache_manager_nccl).
+// GPU): NcclCommunicator::JoinPartialSums (every rank sends its partials to the output's
+// rank, which sums them in rank order: CpuCrossDeviceJoiner's result, bit for bit), then
+// NcclCommunicator::Wait on the join's completion events, which polls
+// ncclCommGetAsyncError under the timeout, so that a failed or hung collective is an error
+// instead of a hang. The join runs on streams of its own, one per device, made with the
+// clique: work other engine threads queued on their streams cannot make a finished join
+// time out. Built with NCCL only (library kvcm::cache_manager_nccl).
 //
 // One clique per list of devices, made on first use and kept; one that failed (an NCCL
 // error, the timeout: NcclCommunicator aborts it) is dropped, and the next join makes a
-// new one. Joins run one at a time (the clique's workspace is shared). Thread-safe.
+// new one. Joins run one at a time (the clique's buffers are shared). Thread-safe.
 #ifndef KVCM_CACHE_MANAGER_TP_NCCL_CROSS_DEVICE_JOIN_H_
 #define KVCM_CACHE_MANAGER_TP_NCCL_CROSS_DEVICE_JOIN_H_
 

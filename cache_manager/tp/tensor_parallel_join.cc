@@ -101,15 +101,10 @@ absl::Status CpuCrossDeviceJoiner::Join(std::span<const kernels::ScoreMatrix> pa
                                         int out_device, float* out) {
   KVCM_CHECK(!partials.empty() && partials.size() == devices.size() && total_heads >= 1);
   KVCM_CHECK(std::find(devices.begin(), devices.end(), out_device) != devices.end());
-  const size_t n = static_cast<size_t>(partials[0].layers * partials[0].tokens);
-  // What each NCCL rank does: widen its partials, all-reduce the doubles, divide.
-  std::vector<double> sum(n), wide(n);
-  for (size_t r = 0; r < partials.size(); ++r) {
-    kernels::cpu::WidenPartialSums(partials[r], r == 0 ? sum.data() : wide.data(), nullptr);
-    if (r == 0) continue;
-    for (size_t i = 0; i < n; ++i) sum[i] += wide[i];
-  }
-  kernels::cpu::ScaleJoinedSums(sum.data(), static_cast<int64_t>(n), total_heads, out, nullptr);
+  // What the NCCL join's root does with the partials it gathered: the twin of its
+  // kernels::cuda::JoinRankPartials, summing in rank order.
+  kernels::cpu::JoinRankPartials(partials.data(), static_cast<int64_t>(partials.size()),
+                                 total_heads, out, nullptr);
   return absl::OkStatus();
 }
 

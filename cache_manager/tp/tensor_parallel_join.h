@@ -63,17 +63,19 @@ class CrossDeviceJoiner {
  public:
   virtual ~CrossDeviceJoiner() = default;
   // out = (sum over ranks r, in rank order, of partials[r] widened to double) /
-  // total_heads, as float32 [layers, tokens] dense on `out_device`. partials[r] lies in
-  // device memory on devices[r]; they were written before the call. Returns once `out`
-  // is complete. REQUIRES: devices distinct and out_device among them, every partial of
-  // the same layers and tokens, total_heads >= 1. Errors: INTERNAL, DEADLINE_EXCEEDED.
+  // total_heads, as float32 [layers, tokens] dense on `out_device`: bit for bit
+  // kernels::cpu::JoinRankPartials. partials[r] lies in device memory on devices[r]; they
+  // were written, and `out` is no longer read by queued work, before the call (the
+  // caller synchronized its streams when it validated them). Returns once `out` is
+  // complete. REQUIRES: devices distinct and out_device among them, every partial of the
+  // same layers and tokens, total_heads >= 1. Errors: INTERNAL, DEADLINE_EXCEEDED.
   virtual absl::Status Join(std::span<const kernels::ScoreMatrix> partials,
                             std::span<const int> devices, int64_t total_heads, int out_device,
                             float* out) = 0;
 };
 
-// The emulated devices' joiner: their memory is the host's, so the CPU twins of the NCCL
-// join (WidenPartialSums, the sum in rank order, ScaleJoinedSums) run there.
+// The emulated devices' joiner: their memory is the host's, so the CPU twin of the NCCL
+// join's sum on its root (kernels::cpu::JoinRankPartials, in rank order) runs there.
 class CpuCrossDeviceJoiner final : public CrossDeviceJoiner {
  public:
   absl::Status Join(std::span<const kernels::ScoreMatrix> partials, std::span<const int> devices,

@@ -1,7 +1,11 @@
 #include "kernels/cuda/cuda_adapter.h"
 
+#include <cuda.h>
+
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <system_error>
 
@@ -9,10 +13,62 @@
 
 namespace kvcm::kernels::cuda {
 
+namespace {
+
+// The first sticky error seen; written once, under its mutex.
+struct StickyRecord {
+  std::mutex mu;
+  std::atomic<bool> seen{false};
+  std::string message;
+};
+
+StickyRecord& Sticky() {
+  static StickyRecord* const record = new StickyRecord;
+  return *record;
+}
+
+}  // namespace
+
 absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(error), ": ",
-                                          cudaGetErrorString(error)));
+  std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), ": ",
+                                     cudaGetErrorString(error));
+  if (IsStickyContextError(error) && !Sticky().seen.load(std::memory_order_acquire)) {
+    StickyRecord& record = Sticky();
+    std::lock_guard<std::mutex> lock(record.mu);
+    if (!record.seen.load(std::memory_order_relaxed)) {
+      record.message = message;
+      record.seen.store(true, std::memory_order_release);
+    }
+  }
+  return absl::InternalError(message);
+}
+
+bool IsStickyContextError(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+absl::Status StickyContextError() {
+  StickyRecord& record = Sticky();
+  if (!record.seen.load(std::memory_order_acquire)) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(record.mu);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the CUDA context is unusable until the process restarts (", record.message, ")"));
 }
 
 absl::Status LaunchStatus(absl::string_view what) {
@@ -76,15 +132,92 @@ std::string FormatDeviceUuid(const cudaUUID_t& uuid) {
   return text;
 }
 
+namespace {
+
+// The two driver calls ScopedDevice needs, found once through the runtime: linking
+// libcuda would stop every binary from starting on a machine without a driver.
+using CtxGetCurrentFn = CUresult (*)(CUcontext*);
+using CtxSetCurrentFn = CUresult (*)(CUcontext);
+
+struct DriverContextCalls {
+  CtxGetCurrentFn get = nullptr;
+  CtxSetCurrentFn set = nullptr;
+  absl::Status status;
+};
+
+const DriverContextCalls& ContextCalls() {
+  static const DriverContextCalls* const calls = [] {
+    auto* found = new DriverContextCalls;
+    void* get = nullptr;
+    void* set = nullptr;
+    cudaDriverEntryPointQueryResult get_found = cudaDriverEntryPointSymbolNotFound;
+    cudaDriverEntryPointQueryResult set_found = cudaDriverEntryPointSymbolNotFound;
+    found->status = CudaStatus(cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 4000,
+                                                                cudaEnableDefault, &get_found),
+                               "cudaGetDriverEntryPointByVersion(cuCtxGetCurrent)");
+    if (found->status.ok()) {
+      found->status = CudaStatus(cudaGetDriverEntryPointByVersion(
+                                     "cuCtxSetCurrent", &set, 4000, cudaEnableDefault, &set_found),
+                                 "cudaGetDriverEntryPointByVersion(cuCtxSetCurrent)");
+    }
+    if (found->status.ok() &&
+        (get_found != cudaDriverEntryPointSuccess || set_found != cudaDriverEntryPointSuccess)) {
+      found->status = absl::InternalError("the CUDA driver lacks cuCtxGetCurrent/cuCtxSetCurrent");
+    }
+    if (found->status.ok()) {
+      found->get = reinterpret_cast<CtxGetCurrentFn>(get);
+      found->set = reinterpret_cast<CtxSetCurrentFn>(set);
+    } else {
+      cudaGetLastError();  // leave no error behind for the caller's next check
+    }
+    return found;
+  }();
+  return *calls;
+}
+
+absl::StatusOr<CUcontext> CurrentContext() {
+  const DriverContextCalls& calls = ContextCalls();
+  if (!calls.status.ok()) return calls.status;
+  CUcontext context = nullptr;
+  const CUresult result = calls.get(&context);
+  if (result != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuCtxGetCurrent: CUresult ", static_cast<int>(result)));
+  }
+  return context;
+}
+
+}  // namespace
+
+DeviceSwitch PlanDeviceSwitch(bool had_context, int previous, int device) {
+  DeviceSwitch plan;
+  plan.switch_device = previous != device;
+  plan.restore = plan.switch_device && had_context;
+  return plan;
+}
+
+absl::StatusOr<bool> ThreadHasCurrentContext() {
+  absl::StatusOr<CUcontext> context = CurrentContext();
+  if (!context.ok()) return context.status();
+  return *context != nullptr;
+}
+
 ScopedDevice::ScopedDevice(int device) {
   status_ = CudaStatus(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (status_.ok() && previous_ != device) {
-    status_ = CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  if (!status_.ok()) return;
+  absl::StatusOr<CUcontext> context = CurrentContext();
+  if (!context.ok()) {
+    status_ = context.status();
+    return;
   }
+  previous_context_ = *context;
+  const DeviceSwitch plan = PlanDeviceSwitch(previous_context_ != nullptr, previous_, device);
+  if (!plan.switch_device) return;
+  status_ = CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  restore_ = status_.ok() && plan.restore;
 }
 
 ScopedDevice::~ScopedDevice() {
-  if (status_.ok()) cudaSetDevice(previous_);
+  if (restore_) ContextCalls().set(static_cast<CUcontext>(previous_context_));
 }
 
 }  // namespace kvcm::kernels::cuda

@@ -21,8 +21,20 @@
 
 namespace kvcm::kernels::cuda {
 
-// OK for cudaSuccess, else INTERNAL "what: cudaErrorName: description".
+// OK for cudaSuccess, else INTERNAL "what: cudaErrorName: description". A sticky error
+// (IsStickyContextError) is also recorded for StickyContextError.
 absl::Status CudaStatus(cudaError_t error, absl::string_view what);
+
+// Whether `error` leaves the CUDA context unusable for good (a kernel's illegal address,
+// misaligned access, trap or assert, an uncorrectable ECC or NVLink error...): every later
+// call of the process fails with it, cudaGetLastError cannot clear it, and only a new
+// process gets a working device again.
+bool IsStickyContextError(cudaError_t error);
+
+// The first sticky error CudaStatus (and so LaunchStatus, SyncStatus) turned into a status
+// in this process, as FAILED_PRECONDITION naming it and where it was seen; OK while there
+// was none. The daemon reports NOT_SERVING on it, so that it is restarted. Thread-safe.
+absl::Status StickyContextError();
 
 // The status of the kernels launched on this thread since the last check (it clears the
 // runtime's last error). Reports launch failures, not faults of kernels still running:
@@ -56,8 +68,26 @@ bool NvidiaGpuPresent();
 // CUDA_VISIBLE_DEVICES write it.
 std::string FormatDeviceUuid(const cudaUUID_t& uuid);
 
+// What ScopedDevice does, as a pure function of what the thread had when it was made:
+// whether a CUDA context was current (`had_context`), the device the runtime reported
+// (`previous`; without a context that is only the runtime's choice for the next call,
+// 0 by default, not a GPU this thread uses) and the device asked for.
+//   - switch: cudaSetDevice(device) now; never when previous == device (the call would
+//     do nothing but, since CUDA 12, may initialize a context).
+//   - restore: put the previous context back on destruction; only when there was one.
+//     Restoring a thread that had none would make device 0's context current and so
+//     create one on a GPU that may belong to an inference rank.
+struct DeviceSwitch {
+  bool switch_device = false;
+  bool restore = false;
+};
+DeviceSwitch PlanDeviceSwitch(bool had_context, int previous, int device);
+
 // Makes `device` current on this thread for the guard's lifetime, then restores the
-// previous one. Check status() before relying on it.
+// context that was current before (exactly that context, through the driver API reached
+// by cudaGetDriverEntryPointByVersion, so that this build does not link libcuda); a
+// thread that had no current context keeps `device`'s (PlanDeviceSwitch). Check status()
+// before relying on it.
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device);
@@ -69,8 +99,14 @@ class ScopedDevice {
 
  private:
   int previous_ = -1;
+  void* previous_context_ = nullptr;  // CUcontext current before; null: none
+  bool restore_ = false;
   absl::Status status_;
 };
+
+// Whether a CUDA context is current on this thread (driver API cuCtxGetCurrent). INTERNAL
+// when the driver's entry point cannot be had.
+absl::StatusOr<bool> ThreadHasCurrentContext();
 
 }  // namespace kvcm::kernels::cuda
 

@@ -38,25 +38,25 @@ void NcclCommunicator::AbortLocked() {
   aborted_ = true;
 }
 
-absl::Status NcclCommunicator::Wait(std::span<const StreamHandle> streams, absl::Duration timeout) {
-  if (static_cast<int32_t>(streams.size()) != world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("Wait: ", streams.size(),
-                                                   " streams for a world of ", world_size()));
+absl::Status NcclCommunicator::Wait(std::span<void* const> done, absl::Duration timeout) {
+  if (static_cast<int32_t>(done.size()) != world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Wait: ", done.size(),
+                                                   " events for a world of ", world_size()));
   }
   absl::MutexLock lock(&mu_);
   if (aborted_) return absl::FailedPreconditionError("Wait: the communicator was aborted");
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
-    bool done = true;
+    bool finished = true;
     for (int32_t r = 0; r < world_size(); ++r) {
       ScopedDevice device(devices_[static_cast<size_t>(r)]);
       if (!device.status().ok()) return device.status();
-      const cudaError_t query = cudaStreamQuery(static_cast<cudaStream_t>(streams[r]));
+      const cudaError_t query = cudaEventQuery(static_cast<cudaEvent_t>(done[r]));
       if (query == cudaErrorNotReady) {
-        done = false;
+        finished = false;
       } else if (query != cudaSuccess) {
         AbortLocked();
-        return CudaStatus(query, absl::StrCat("the join's stream on rank ", r));
+        return CudaStatus(query, absl::StrCat("the join on rank ", r));
       }
       ncclResult_t async = ncclSuccess;
       const ncclResult_t asked = ncclCommGetAsyncError(comms_->comm[static_cast<size_t>(r)], &async);
@@ -66,7 +66,7 @@ absl::Status NcclCommunicator::Wait(std::span<const StreamHandle> streams, absl:
         return NcclStatus(failure, absl::StrCat("the join on rank ", r));
       }
     }
-    if (done) return absl::OkStatus();
+    if (finished) return absl::OkStatus();
     if (absl::Now() >= deadline) {
       AbortLocked();
       return absl::DeadlineExceededError(absl::StrCat(
@@ -110,79 +110,108 @@ NcclCommunicator::NcclCommunicator(std::vector<int> devices, std::unique_ptr<Com
 
 NcclCommunicator::~NcclCommunicator() = default;
 
-absl::Status NcclCommunicator::AllReduceSum(std::span<double* const> buffers, int64_t count,
-                                            std::span<const StreamHandle> streams) {
-  if (static_cast<int32_t>(buffers.size()) != world_size() ||
-      static_cast<int32_t>(streams.size()) != world_size() || count < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AllReduceSum: ", buffers.size(), " buffers and ", streams.size(), " streams of ",
-        count, " elements for a world of ", world_size(), " ranks"));
-  }
-  if (count == 0) return absl::OkStatus();
-  absl::MutexLock lock(&mu_);
-  if (aborted_) {
-    return absl::FailedPreconditionError("AllReduceSum: the communicator was aborted");
-  }
-  absl::Status status = NcclStatus(ncclGroupStart(), "ncclGroupStart");
-  if (!status.ok()) return status;
-  for (int32_t r = 0; r < world_size() && status.ok(); ++r) {
-    status = NcclStatus(
-        ncclAllReduce(buffers[r], buffers[r], static_cast<size_t>(count), ncclFloat64, ncclSum,
-                      comms_->comm[static_cast<size_t>(r)], static_cast<cudaStream_t>(streams[r])),
-        absl::StrCat("ncclAllReduce on rank ", r));
-  }
-  // The group must be closed even when an enqueue failed.
-  const absl::Status end = NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
-  return status.ok() ? end : status;
-}
-
 absl::Status NcclCommunicator::JoinPartialSums(std::span<const RankJoinBuffers> ranks,
-                                               int64_t total_heads) {
-  if (static_cast<int32_t>(ranks.size()) != world_size()) {
+                                               int64_t total_heads, const JoinRoot& root) {
+  if (static_cast<int32_t>(ranks.size()) != world_size() || world_size() > kMaxJoinRanks) {
     return absl::InvalidArgumentError(absl::StrCat("JoinPartialSums: ", ranks.size(),
-                                                   " ranks given, the world has ",
-                                                   world_size()));
+                                                   " ranks given, the world has ", world_size(),
+                                                   " (at most ", kMaxJoinRanks, ")"));
   }
   if (total_heads < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("JoinPartialSums: total_heads is ", total_heads, "; it must be >= 1"));
   }
+  if (root.rank < 0 || root.rank >= world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("JoinPartialSums: root rank ", root.rank,
+                                                   " in a world of ", world_size()));
+  }
+  const auto root_rank = static_cast<size_t>(root.rank);
   const ScoreMatrix& first = ranks[0].partial_sums;
+  const bool any = first.layers * first.tokens > 0;
   for (size_t r = 0; r < ranks.size(); ++r) {
     const ScoreMatrix& p = ranks[r].partial_sums;
+    const bool needs_staging = r != root_rank && p.layer_stride != p.tokens;
     if (p.layers != first.layers || p.tokens != first.tokens || p.layer_stride < p.tokens ||
-        (p.layers > 0 && (p.data == nullptr || ranks[r].workspace == nullptr ||
-                          ranks[r].joined == nullptr))) {
+        ranks[r].stream == nullptr || ranks[r].done == nullptr ||
+        (any && (p.data == nullptr || (needs_staging && ranks[r].staging == nullptr)))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "JoinPartialSums: rank ", r, " has [", p.layers, ", ", p.tokens,
           "] partial sums (stride ", p.layer_stride, "), rank 0 has [", first.layers, ", ",
-          first.tokens, "]; every rank needs the same shape and its buffers"));
+          first.tokens, "]; every rank needs the same shape, a stream, an event and its buffers"));
     }
   }
+  if (any && (root.joined == nullptr || (world_size() > 1 && root.gathered == nullptr))) {
+    return absl::InvalidArgumentError("JoinPartialSums: the root's buffers are missing");
+  }
+  absl::MutexLock lock(&mu_);
+  if (aborted_) {
+    return absl::FailedPreconditionError("JoinPartialSums: the communicator was aborted");
+  }
   const int64_t n = first.layers * first.tokens;
-  if (n == 0) return absl::OkStatus();
-  std::vector<double*> wide(ranks.size());
-  std::vector<StreamHandle> streams(ranks.size());
-  // Widen, all-reduce, scale: three passes in stream order on every rank. The kernels are
-  // enqueued outside the NCCL group (a group defers only the collectives).
+  const size_t slot_bytes = static_cast<size_t>(n) * sizeof(float);
+  const auto stream_of = [&](size_t r) { return static_cast<cudaStream_t>(ranks[r].stream); };
+  // What the root joins: its own partial sums in place, every other rank's in its slot.
+  std::vector<ScoreMatrix> views(ranks.size());
+  std::vector<const void*> sent(ranks.size());
   absl::Status status;
+  for (size_t r = 0; r < ranks.size() && status.ok() && n > 0; ++r) {
+    const ScoreMatrix& p = ranks[r].partial_sums;
+    if (r == root_rank) {
+      views[r] = p;
+      continue;
+    }
+    views[r] = ScoreMatrix::Dense(static_cast<char*>(root.gathered) + r * slot_bytes, p.dtype,
+                                  p.layers, p.tokens);
+    sent[r] = p.data;
+    if (p.layer_stride == p.tokens) continue;
+    // Strided rows travel packed: NCCL sends one contiguous range.
+    ScopedDevice device(devices_[r]);
+    status = device.status();
+    if (!status.ok()) break;
+    const size_t row = static_cast<size_t>(p.tokens) * ScoreDtypeSize(p.dtype);
+    status = CudaStatus(cudaMemcpy2DAsync(ranks[r].staging, row, p.data,
+                                          static_cast<size_t>(p.layer_stride) * ScoreDtypeSize(p.dtype),
+                                          row, static_cast<size_t>(p.layers),
+                                          cudaMemcpyDeviceToDevice, stream_of(r)),
+                        absl::StrCat("packing the partial sums of rank ", r));
+    sent[r] = ranks[r].staging;
+  }
+  if (status.ok() && n > 0 && world_size() > 1) {
+    status = NcclStatus(ncclGroupStart(), "ncclGroupStart");
+    if (!status.ok()) return status;
+    for (size_t r = 0; r < ranks.size() && status.ok(); ++r) {
+      if (r == root_rank) continue;
+      const size_t bytes = static_cast<size_t>(n) * ScoreDtypeSize(ranks[r].partial_sums.dtype);
+      status = NcclStatus(ncclSend(sent[r], bytes, ncclUint8, root.rank, comms_->comm[r],
+                                   stream_of(r)),
+                          absl::StrCat("ncclSend from rank ", r));
+      if (!status.ok()) break;
+      status = NcclStatus(ncclRecv(const_cast<void*>(views[r].data), bytes, ncclUint8,
+                                   static_cast<int>(r), comms_->comm[root_rank],
+                                   stream_of(root_rank)),
+                          absl::StrCat("ncclRecv on rank ", root.rank, " from rank ", r));
+    }
+    // The group must be closed even when an enqueue failed.
+    const absl::Status end = NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
+    if (status.ok()) status = end;
+  }
+  if (status.ok() && n > 0) {
+    ScopedDevice device(devices_[root_rank]);
+    status = device.status();
+    if (status.ok()) {
+      JoinRankPartials(views.data(), world_size(), total_heads, root.joined,
+                       ranks[root_rank].stream);
+      status = LaunchStatus(absl::StrCat("JoinRankPartials on rank ", root.rank));
+    }
+  }
   for (size_t r = 0; r < ranks.size() && status.ok(); ++r) {
     ScopedDevice device(devices_[r]);
     status = device.status();
     if (!status.ok()) break;
-    WidenPartialSums(ranks[r].partial_sums, ranks[r].workspace, ranks[r].stream);
-    status = LaunchStatus(absl::StrCat("WidenPartialSums on rank ", r));
-    wide[r] = ranks[r].workspace;
-    streams[r] = ranks[r].stream;
+    status = CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(ranks[r].done), stream_of(r)),
+                        absl::StrCat("recording the end of the join on rank ", r));
   }
-  if (status.ok()) status = AllReduceSum(wide, n, streams);
-  for (size_t r = 0; r < ranks.size() && status.ok(); ++r) {
-    ScopedDevice device(devices_[r]);
-    status = device.status();
-    if (!status.ok()) break;
-    ScaleJoinedSums(ranks[r].workspace, n, total_heads, ranks[r].joined, ranks[r].stream);
-    status = LaunchStatus(absl::StrCat("ScaleJoinedSums on rank ", r));
-  }
+  if (!status.ok()) AbortLocked();  // a half-enqueued group leaves the clique unusable
   return status;
 }
 

@@ -1,13 +1,14 @@
 // NcclCommunicator: one NCCL clique over GPUs of this process (rank r on devices[r], made
 // by ncclCommInitAll), and the tensor-parallel join on those GPUs: when every rank's
-// partial head sums already sit in its device memory, the ranks sum them with an
-// all-reduce instead of shipping them to the host (SPEC.md, "Tensor-parallel ranks").
+// partial head sums already sit in its device memory, the ranks send them to one rank
+// (the root) instead of shipping them to the host (SPEC.md, "Tensor-parallel ranks"):
 //
-//   layer score = (sum over ranks p of sum_p) / total_heads      (on every rank)
+//   layer score = (sum over ranks p, in rank order, of sum_p) / total_heads   (on the root)
 //
-// The join widens each rank's partials to double, all-reduces the doubles and divides, so
-// it equals kernels::cpu::JoinRankPartials bit for bit whenever the double sums are exact
-// (see kernels/cuda/momentum_update_cuda.h).
+// The root sums the gathered partials with kernels::cuda::JoinRankPartials, in rank order
+// in double, so the result equals kernels::cpu::JoinRankPartials (the CPU joiner's) bit for
+// bit for any values. An all-reduce would not: NCCL adds in ring or tree order, which with
+// 3 or more ranks and partials of a wide range rounds differently.
 //
 // Thread-safe: collectives are issued under one mutex, so every rank sees them in the same
 // order. Calls enqueue work on the given streams and return; Wait() waits for the results
@@ -30,12 +31,23 @@
 
 namespace kvcm::kernels::cuda {
 
-// One rank's buffers for JoinPartialSums, all on that rank's device.
+// One rank's part of JoinPartialSums, all on that rank's device.
 struct RankJoinBuffers {
   ScoreMatrix partial_sums;  // [layers, tokens] f32/f16/bf16, device; this rank's head sums
-  double* workspace = nullptr;  // [layers * tokens] f64, device
-  float* joined = nullptr;      // [layers, tokens] f32 dense, device: the joined scores
+  // [layers * tokens] of partial_sums' dtype, device: where a rank other than the root
+  // packs strided partial sums before sending them (null when they are dense).
+  void* staging = nullptr;
   StreamHandle stream = nullptr;  // cudaStream_t of the rank's device
+  void* done = nullptr;           // cudaEvent_t of the rank's device, recorded after its work
+};
+
+// Where the join's result goes: the root rank's device.
+struct JoinRoot {
+  int32_t rank = 0;
+  // [world_size, layers * tokens * 4] bytes, device: rank r's partial sums land at
+  // r * layers * tokens * 4 (the root's own slot is unused).
+  void* gathered = nullptr;
+  float* joined = nullptr;  // [layers, tokens] f32 dense, device: the joined scores
 };
 
 class NcclCommunicator {
@@ -51,22 +63,22 @@ class NcclCommunicator {
   int32_t world_size() const { return static_cast<int32_t>(devices_.size()); }
   int device(int32_t rank) const { return devices_[static_cast<size_t>(rank)]; }
 
-  // In place, element-wise: afterwards every rank's buffer holds the sum over ranks.
-  // buffers[r]: [count] f64 on device(r).  streams[r]: cudaStream_t on device(r).
-  absl::Status AllReduceSum(std::span<double* const> buffers, int64_t count,
-                            std::span<const StreamHandle> streams);
+  // The join: root.joined receives (sum over ranks, in rank order, of partial_sums) /
+  // total_heads. Every rank but the root sends its partial sums to the root (ncclSend /
+  // ncclRecv in one group), which joins them with JoinRankPartials; each rank's `done`
+  // event is recorded after its part. INVALID_ARGUMENT unless there is one entry per rank
+  // (at most kMaxJoinRanks), every rank's partial sums have the same layers and tokens,
+  // the buffers named above are given, the root is a rank and total_heads >= 1.
+  absl::Status JoinPartialSums(std::span<const RankJoinBuffers> ranks, int64_t total_heads,
+                               const JoinRoot& root);
 
-  // The join: every rank's `joined` receives (sum of all partial_sums) / total_heads.
-  // INVALID_ARGUMENT unless there is one entry per rank, every rank's partial sums have
-  // the same layers and tokens, and total_heads >= 1.
-  absl::Status JoinPartialSums(std::span<const RankJoinBuffers> ranks, int64_t total_heads);
-
-  // Waits until every rank's stream (streams[r] on device(r)) has finished what was
-  // enqueued on it, polling each rank's ncclCommGetAsyncError meanwhile, so that a failed
-  // or hung collective is an error instead of a hang: INTERNAL with NCCL's text (or the
-  // stream's CUDA error), DEADLINE_EXCEEDED after `timeout`. Either error aborts the
-  // communicators (ncclCommAbort); every later call then fails with FAILED_PRECONDITION.
-  absl::Status Wait(std::span<const StreamHandle> streams, absl::Duration timeout);
+  // Waits until every rank's event (done[r], a cudaEvent_t on device(r)) has completed,
+  // polling each rank's ncclCommGetAsyncError meanwhile, so that a failed or hung
+  // collective is an error instead of a hang: INTERNAL with NCCL's text (or the event's
+  // CUDA error), DEADLINE_EXCEEDED after `timeout`. Either error aborts the communicators
+  // (ncclCommAbort); every later call then fails with FAILED_PRECONDITION. Only the work
+  // before each event counts: other work on the same streams or devices cannot hold it up.
+  absl::Status Wait(std::span<void* const> done, absl::Duration timeout);
 
  private:
   struct Comms;

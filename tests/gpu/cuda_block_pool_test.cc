@@ -7,6 +7,7 @@
 // daemon-created CUDA score region) that the engine reads in place.
 #include "cache_manager/kv/cuda_block_pool.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <spawn.h>
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
+#include <utility>
 #include <fstream>
 #include <random>
 #include <span>
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "cache_manager/engine/sequence.h"
+#include "cache_manager/kv/ipc_export_size.h"
 #include "cache_manager/tp/tensor_parallel_join.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -40,12 +43,18 @@ using kernels::KvDtype;
 // 16 tokens per block, 4 layers, 8 kv heads of 128 fp16 (2 KiB rows): 256 KiB blocks.
 constexpr KvBlockLayout kLayout{16, 4, 8, 128, KvDtype::kFloat16};
 
-std::unique_ptr<BlockPool> MakeDevicePool(int64_t blocks, int32_t rank = 0) {
+// At least `blocks` blocks; exactly that many without the IPC export. Exported, the cap is
+// the blocks' bytes rounded up to whole IPC units, which hold as many blocks as fit.
+std::unique_ptr<BlockPool> MakeDevicePool(int64_t blocks, int32_t rank = 0,
+                                          bool export_ipc = true) {
   BlockPoolOptions options;
   options.layout = kLayout;
   options.memory_bytes = blocks * kLayout.BlockBytes();
+  if (export_ipc) options.memory_bytes = CudaIpcAllocationBytes(options.memory_bytes);
   options.rank = rank;
-  absl::StatusOr<std::unique_ptr<BlockPool>> pool = CreateCudaBlockPool(options, 0);
+  CudaStorageOptions storage;
+  storage.export_ipc = export_ipc;
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool = CreateCudaBlockPool(options, 0, storage);
   EXPECT_TRUE(pool.ok()) << pool.status();
   return pool.ok() ? std::move(pool).value() : nullptr;
 }
@@ -128,6 +137,70 @@ TEST(CudaBlockPoolTest, RejectsADeviceThatDoesNotExist) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(CudaBlockPoolTest, AnExportedPoolsCapMustHoldAWholeIpcUnit) {
+  // Refused before any device is touched: runs without a GPU.
+  BlockPoolOptions options;
+  options.layout = kLayout;
+  options.memory_bytes = kCudaIpcGranularity - 1;
+  const absl::Status refused = CreateCudaBlockPool(options, 0).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("whole units of 2097152 bytes"), std::string::npos) << refused;
+}
+
+// cudaIpcGetMemHandle names the allocator's whole underlying allocation: every exported
+// storage must be an allocation of its own, of whole 2 MiB units, so that no two of them
+// (nor the engine's small arrays allocated between them) share a 2 MiB block.
+TEST(CudaBlockPoolTest, TwoExportedRegionsNeverShareAnIpcBlock) {
+  KVCM_SKIP_WITHOUT_GPU();
+  using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  KVCM_ASSERT_CUDA(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 3020,
+                                                    cudaEnableDefault, &found));
+  ASSERT_EQ(found, cudaDriverEntryPointSuccess);
+  const auto address_range = reinterpret_cast<MemGetAddressRangeFn>(fn);
+
+  std::vector<std::unique_ptr<KvStorage>> regions;
+  std::vector<void*> neighbours;
+  for (int64_t bytes : {int64_t{4096}, int64_t{777}, kCudaIpcGranularity + 1}) {
+    absl::StatusOr<std::unique_ptr<KvStorage>> region = NewCudaKvStorage(bytes, 0);
+    ASSERT_TRUE(region.ok()) << region.status();
+    EXPECT_EQ((*region)->bytes(), CudaIpcAllocationBytes(bytes));
+    EXPECT_EQ((*region)->memory_export().bytes, (*region)->bytes());
+    regions.push_back(*std::move(region));
+    void* small = nullptr;  // what the engine allocates between two regions
+    KVCM_ASSERT_CUDA(cudaMalloc(&small, 256));
+    neighbours.push_back(small);
+  }
+  const auto blocks_of = [](const void* p, int64_t bytes) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    return std::pair<uintptr_t, uintptr_t>(a / kCudaIpcGranularity,
+                                           (a + static_cast<uintptr_t>(bytes) - 1) /
+                                               kCudaIpcGranularity);
+  };
+  for (size_t i = 0; i < regions.size(); ++i) {
+    SCOPED_TRACE("region " + std::to_string(i));
+    // The handle's allocation is exactly the region.
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    ASSERT_EQ(address_range(&base, &size, reinterpret_cast<CUdeviceptr>(regions[i]->data())),
+              CUDA_SUCCESS);
+    EXPECT_EQ(reinterpret_cast<void*>(base), regions[i]->data());
+    EXPECT_EQ(static_cast<int64_t>(size), regions[i]->bytes());
+    const auto [first, last] = blocks_of(regions[i]->data(), regions[i]->bytes());
+    const auto disjoint = [&, first = first, last = last](const void* p, int64_t bytes) {
+      const auto [f, l] = blocks_of(p, bytes);
+      return l < first || f > last;
+    };
+    for (size_t j = 0; j < regions.size(); ++j) {
+      if (j == i) continue;
+      EXPECT_TRUE(disjoint(regions[j]->data(), regions[j]->bytes())) << "region " << j;
+    }
+    for (void* small : neighbours) EXPECT_TRUE(disjoint(small, 256));
+  }
+  for (void* small : neighbours) cudaFree(small);
+}
+
 TEST(CudaBlockPoolTest, HostStorageHasNoCudaExport) {
   // Needs no GPU.
   absl::StatusOr<std::unique_ptr<KvStorage>> host = NewHostKvStorage(4096, HostStorageOptions{});
@@ -185,7 +258,7 @@ TEST(CudaBlockPoolTest, TheExportNamesTheGpuByUuidAndPciBusId) {
   ASSERT_TRUE(exported.ok()) << exported.status();
   EXPECT_EQ(exported->handle.size(), sizeof(cudaIpcMemHandle_t));
   EXPECT_EQ(exported->device, 0);
-  EXPECT_EQ(exported->bytes, 2 * kLayout.BlockBytes());
+  EXPECT_EQ(exported->bytes, kCudaIpcGranularity);  // 2 blocks asked, a whole unit exported
   cudaDeviceProp properties{};
   KVCM_ASSERT_CUDA(cudaGetDeviceProperties(&properties, 0));
   ASSERT_EQ(exported->identity.uuid.size(), 40u) << exported->identity.uuid;  // GPU-8-4-4-4-12
@@ -255,7 +328,7 @@ TEST(CudaBlockPoolTest, LivesInDeviceMemoryAndExportsAnIpcHandle) {
 
 TEST(CudaBlockPoolTest, AFullDevicePoolIsResourceExhausted) {
   KVCM_SKIP_WITHOUT_GPU();
-  std::unique_ptr<BlockPool> pool = MakeDevicePool(4);
+  std::unique_ptr<BlockPool> pool = MakeDevicePool(4, /*rank=*/0, /*export_ipc=*/false);
   ASSERT_NE(pool, nullptr);
   absl::StatusOr<BlockLease> lease = pool->Lease(64);
   ASSERT_TRUE(lease.ok());

@@ -2,6 +2,7 @@
 
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/half_float.h"
 #include "tests/cache_manager/engine_test_util.h"
+#include "tests/cache_manager/tp/wide_range_partials.h"
 
 namespace kvcm {
 namespace {
@@ -283,6 +285,38 @@ TEST(TensorParallelJoinTest, PartialSumsOnOneDevicePerRankAreJoinedAcrossTheDevi
     EXPECT_EQ(joiner.calls, c.across ? 1 : 0);
     if (c.across) {
       EXPECT_EQ(joiner.last_devices, c.devices);
+    }
+  }
+}
+
+// The CPU joiner is the NCCL joiner's reference, so it must sum in rank order whatever
+// the values: with 3 or more ranks of wide-range partials the double sum rounds, and
+// another order (NCCL's ring or tree) would give other floats.
+TEST(CpuCrossDeviceJoinerTest, SumsWideRangePartialsInRankOrder) {
+  constexpr int64_t kLayers = 3, kTokens = 1001;
+  for (int32_t ranks : {3, 4, 5, 8}) {
+    SCOPED_TRACE(::testing::PrintToString(ranks) + " ranks");
+    const std::vector<std::vector<float>> partials =
+        testing::WideRangePartials(41 + static_cast<uint64_t>(ranks), ranks, kLayers * kTokens);
+    const int64_t heads = 3 * ranks;  // not a power of two: the division rounds too
+    std::vector<kernels::ScoreMatrix> views;
+    std::vector<int> devices;
+    for (int32_t r = 0; r < ranks; ++r) {
+      views.push_back(kernels::ScoreMatrix::Dense(partials[static_cast<size_t>(r)].data(),
+                                                  kernels::ScoreDtype::kFloat32, kLayers, kTokens));
+      devices.push_back(ranks - 1 - r);  // the rank, not the device number, sets the order
+    }
+    std::vector<int32_t> rank_order(static_cast<size_t>(ranks));
+    std::iota(rank_order.begin(), rank_order.end(), 0);
+    const std::vector<float> want = testing::FoldInOrder(partials, rank_order, heads);
+    // The data can tell: the reverse order rounds some element differently.
+    const std::vector<int32_t> reverse(rank_order.rbegin(), rank_order.rend());
+    EXPECT_NE(testing::FoldInOrder(partials, reverse, heads), want);
+    for (int out_device : {0, ranks - 1}) {
+      std::vector<float> out(want.size(), -1.0f);
+      CpuCrossDeviceJoiner joiner;
+      ASSERT_TRUE(joiner.Join(views, devices, heads, out_device, out.data()).ok());
+      EXPECT_EQ(out, want) << "out on device " << out_device;
     }
   }
 }
