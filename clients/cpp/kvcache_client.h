@@ -8,7 +8,7 @@
 //   auto decisions = (*stream)->Step(batch);            // one Decision per report
 //
 // On the daemon's node, a ScoreRegion (clients/cpp/score_region.h) carries the scores in
-// shared memory instead of the request; a FOLDED sequence takes one row per step
+// shared memory, or in a CUDA engine's device memory, instead of the request; a FOLDED sequence takes one row per step
 // (FoldScores below) instead of one per layer.
 //
 // KvCacheClient is thread-safe; a StepStream carries one batch at a time (one per worker

@@ -572,6 +572,46 @@ TEST_F(StepPathTest, APendingTensorParallelStepHoldsItsCreatedRegionUntilItIsDec
             std::vector<float>(y->momentum().begin(), y->momentum().end()));
 }
 
+// The emulated device engine creates its regions in host shared memory, so the client maps
+// them as before, with or without CUDA in its build: no device pointer, the mapping as
+// bytes(), and the stream overload of Put a plain copy that is done when it returns
+// (WaitForWrites has nothing to wait for); the step by reference decides as inline.
+TEST_F(StepPathTest, AnEmulatedEnginesCreatedRegionIsHostMemoryWhateverTheClientsBuild) {
+  StartDaemon({"--engine_backend=emulated", "--allow_shm_scores"});
+  Open("inline", 40, "inertia");
+  Open("created", 40, "inertia");
+  absl::StatusOr<std::unique_ptr<client::ScoreRegion>> region =
+      client::ScoreRegion::CreateInDaemon(*client_, 1 << 16);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_FALSE((*region)->on_device());
+  EXPECT_EQ((*region)->device(), -1);
+  EXPECT_EQ((*region)->device_pointer(), nullptr);
+  EXPECT_EQ(static_cast<int64_t>((*region)->bytes().size()), (*region)->size());
+  EXPECT_THAT((*region)->name(), ::testing::StartsWith(absl::StrCat("/kvcached-", daemon_->pid(),
+                                                                    "-scores")));
+  const std::vector<float> s = Scores(2, 41, 1);
+  v1::StepBatch batch;
+  client::SetFloat32Scores(client::AddReport(&batch, "inline", 1), s, 2);
+  constexpr int64_t kOffset = 1024;
+  ASSERT_TRUE((*region)->Put(client::AddReport(&batch, "created", 1), kOffset, Bytes(s), 2,
+                             kernels::ScoreDtype::kFloat32, /*head_count=*/0,
+                             /*stream=*/nullptr).ok());
+  ASSERT_EQ(std::memcmp((*region)->bytes().data() + kOffset, s.data(), s.size() * sizeof(float)),
+            0)
+      << "a host Put is done when it returns";
+  EXPECT_TRUE((*region)->RecordWrites(nullptr).ok());
+  EXPECT_TRUE((*region)->WaitForWrites().ok());
+  const v1::DecisionBatch reply = StepOnce(batch);
+  ASSERT_EQ(reply.decisions_size(), 2);
+  ASSERT_EQ(reply.decisions(0).code(), kOk) << reply.decisions(0).message();
+  ASSERT_EQ(reply.decisions(1).code(), kOk) << reply.decisions(1).message();
+  EXPECT_EQ(Evicted(reply.decisions(0)), Evicted(reply.decisions(1)));
+  EXPECT_FALSE(Evicted(reply.decisions(0)).empty()) << "half of 41 tokens kept: some evicted";
+  const std::string name = (*region)->name();
+  region->reset();
+  EXPECT_FALSE(ShmExists(name)) << "unregistered, the daemon frees what it created";
+}
+
 // CreateScoreRegion's rank places a device engine's region on that rank's device: a rank
 // outside the tensor-parallel world is refused, and a single-rank sequence, which decides
 // on the engine's device, refuses scores that sit on another one (a tensor-parallel step's
