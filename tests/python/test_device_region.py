@@ -15,7 +15,6 @@ against a ``--engine_backend=cuda`` daemon, which skips without a CUDA device.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -23,18 +22,20 @@ import subprocess
 import sys
 import weakref
 import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import grpc
 import pytest
 
+import fake_cudart
 from daemon import Daemon, flag_missing_reason
+from fake_cudart import BUS, OTHER_UUID, UUID, FakeCudart, ShmAsDeviceMemory
 from kvcache.v1 import kvcache_pb2 as pb
 from kvcache_client import KvCacheClient, KvCacheError, Scores, encode_scores
 from kvcache_client import cuda_runtime
 from kvcache_client import region as region_module
 from kvcache_client._proto import dtype_to_proto
-from kvcache_client.cuda_runtime import CudaRuntime, IpcMapping
+from kvcache_client.cuda_runtime import CudaRuntime
 from kvcache_client.scores import prepare_scores
 
 try:
@@ -276,65 +277,6 @@ def test_importing_the_client_loads_no_cuda():
 
 # -- the CUDA side's logic, with a fake runtime -------------------------------------------
 
-UUID = "GPU-8c1b2f1e-0a1b-4c2d-9e3f-00112233aabb"
-BUS = "0000:3B:00.0"
-ERRORS = {100: b"no CUDA-capable device is detected", 101: b"invalid device ordinal",
-          201: b"invalid device context", 400: b"invalid resource handle"}
-
-
-class FakeCudart:
-    """The runtime functions cuda_runtime calls, on a made-up machine: ``devices`` maps a
-    PCI bus id to this process's ordinal. Out-parameters come as ctypes pointers, as the
-    real library gets them. ``open_memory(handle)`` gives the pointer an opened handle maps
-    (default: a fixed fake address); ``log`` (shared with a test) records the calls."""
-
-    def __init__(self, devices: Dict[str, int], log: Optional[list] = None) -> None:
-        self.devices = devices
-        self.current = 0
-        self.log = log if log is not None else []
-        self.open_error = 0
-        self.open_memory = lambda handle: 0x7F0000000000
-        self.close_memory = lambda pointer: None
-
-    def cudaGetErrorString(self, code):
-        return ERRORS.get(code, b"unknown error")
-
-    def cudaDeviceGetByPCIBusId(self, device_p, bus_id):
-        self.log.append(("by_bus_id", bus_id.decode()))
-        if bus_id.decode().upper() not in self.devices:
-            return 101
-        device_p.contents.value = self.devices[bus_id.decode().upper()]
-        return 0
-
-    def cudaDeviceGetPCIBusId(self, text, length, device):
-        for bus_id, ordinal in self.devices.items():
-            if ordinal == device:
-                text.value = bus_id.encode()[:length - 1]
-                return 0
-        return 101
-
-    def cudaGetDevice(self, device_p):
-        device_p.contents.value = self.current
-        return 0
-
-    def cudaSetDevice(self, device):
-        self.log.append(("set_device", device))
-        self.current = device
-        return 0
-
-    def cudaIpcOpenMemHandle(self, pointer_p, handle, flags):
-        self.log.append(("open", bytes(handle), flags, self.current))
-        if self.open_error:
-            return self.open_error
-        pointer_p.contents.value = self.open_memory(bytes(handle))
-        return 0
-
-    def cudaIpcCloseMemHandle(self, pointer):
-        self.log.append(("close", pointer.value))
-        self.close_memory(pointer.value)
-        return 0
-
-
 def fake_created(handle: bytes = bytes(range(64)), **fields) -> Any:
     from kvcache_client import CreatedScoreRegion
     values = dict(region=5, backend="cuda", bytes=4096, shm_name="", cuda_ipc_handle=handle,
@@ -373,7 +315,7 @@ def test_a_gpu_already_current_is_not_switched_and_an_unknown_uuid_is_not_refuse
 
 
 def test_another_gpu_at_that_bus_id_is_refused_naming_both_uuids():
-    other = "GPU-00000000-1111-2222-3333-444444444444"
+    other = OTHER_UUID
     fake = FakeCudart({BUS: 1})
     cuda = CudaRuntime(fake, uuid_of=lambda device: other)
     with pytest.raises(KvCacheError) as caught:
@@ -425,30 +367,6 @@ def test_uuids_compare_with_or_without_the_prefix():
     assert cuda_runtime.normalize_uuid("GPU-8c1b2f1e-0a1b") == "GPU-8c1b2f1e-0a1b"
 
 
-class ShmAsDeviceMemory:
-    """What the fake runtime maps for a handle: the daemon's own shared-memory region,
-    whose name the test's handle carries, so that the "device" writes are the daemon's to
-    read and its decisions check them."""
-
-    def __init__(self) -> None:
-        self.open: Dict[int, tuple] = {}
-
-    def handle_for(self, shm_name: str) -> bytes:
-        return shm_name.encode().ljust(64, b"\0")
-
-    def map(self, handle: bytes) -> int:
-        shm = region_module._attach(handle.rstrip(b"\0").decode())
-        array = (ctypes.c_uint8 * shm.size).from_buffer(shm.buf)
-        pointer = ctypes.addressof(array)
-        self.open[pointer] = (shm, array)
-        return pointer
-
-    def unmap(self, pointer: int) -> None:
-        shm, array = self.open.pop(pointer)
-        del array
-        shm.close()
-
-
 @needs_torch
 def test_a_device_region_with_a_fake_runtime_writes_waits_per_batch_and_closes_in_order(
         engine_client, seq_id, monkeypatch):
@@ -460,11 +378,7 @@ def test_a_device_region_with_a_fake_runtime_writes_waits_per_batch_and_closes_i
     log: List[tuple] = []
     memory = ShmAsDeviceMemory()
     fake = FakeCudart({BUS: 2}, log)
-    fake.open_memory, fake.close_memory = memory.map, memory.unmap
-    monkeypatch.setattr(cuda_runtime, "runtime",
-                        lambda: CudaRuntime(fake, uuid_of=lambda device: UUID))
-    monkeypatch.setattr(IpcMapping, "as_tensor", lambda self: torch.frombuffer(
-        (ctypes.c_uint8 * self.byte_size).from_address(self.pointer), dtype=torch.uint8))
+    fake_cudart.install(monkeypatch, fake, memory)
     streams: list = []  # the batch's stream, once made: each wait logs its batches sent
     monkeypatch.setattr(region_module, "_wait_for_current_stream", lambda device, event: log.append(
         ("wait", device, streams[0]._sent if streams else None)) or "event")
@@ -532,7 +446,7 @@ def test_a_device_region_with_a_fake_runtime_writes_waits_per_batch_and_closes_i
 def test_a_device_region_on_another_gpu_is_refused_and_freed(engine_client, monkeypatch):
     fake = FakeCudart({BUS: 0})
     monkeypatch.setattr(cuda_runtime, "runtime", lambda: CudaRuntime(
-        fake, uuid_of=lambda device: "GPU-00000000-1111-2222-3333-444444444444"))
+        fake, uuid_of=lambda device: OTHER_UUID))
     created_ids = []
     real_create = engine_client.create_score_region
 

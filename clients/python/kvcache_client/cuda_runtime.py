@@ -1,15 +1,17 @@
-"""A small ctypes binding to the CUDA runtime: what a device score region needs.
+"""A small ctypes binding to the CUDA runtime: what device score regions and CUDA KV pools
+need.
 
 A daemon deciding on a GPU (``kvcached --engine_backend=cuda``) creates score regions in
-its device memory and hands out a CUDA IPC handle (``CreatedScoreRegion``). Mapping one
-takes five runtime calls (find the GPU by PCI bus id, open and close the handle, error
-strings, the current device), so this module binds them with ctypes instead of adding a
-Python dependency.
+its device memory and hands out a CUDA IPC handle (``CreatedScoreRegion``); a daemon
+holding its KV pools on the GPUs (``--backend=cuda``) exports each rank's pool so
+(``KvPool``). Mapping either takes five runtime calls (find the GPU by PCI bus id, open
+and close the handle, error strings, the current device), so this module binds them with
+ctypes instead of adding a Python dependency.
 
-Nothing is loaded before a device region is opened: importing kvcache_client never loads
-CUDA. The library is the libcudart this process already has (torch's, when torch was
-imported with CUDA), else one in torch's folders, else ``ctypes.util.find_library``,
-else ``libcudart.so.13``/``.12``/``.11`` by soname.
+Nothing is loaded before a device region or pool is opened: importing kvcache_client
+never loads CUDA. The library is the libcudart this process already has (torch's, when
+torch was imported with CUDA), else one in torch's folders, else
+``ctypes.util.find_library``, else ``libcudart.so.13``/``.12``/``.11`` by soname.
 
 The GPU is found by the PCI bus id the daemon sends and checked by UUID where torch can
 tell it (``torch.cuda.get_device_properties(i).uuid``): ordinals differ between processes
@@ -34,7 +36,7 @@ import grpc
 
 from .errors import KvCacheError
 
-__all__ = ["CudaRuntime", "IpcMapping", "open_created_region", "runtime"]
+__all__ = ["CudaRuntime", "IpcMapping", "open_created_region", "open_ipc_export", "runtime"]
 
 #: cudaIpcMemLazyEnablePeerAccess: the handle may be opened on a GPU other than the
 #: exporter's (peer access is then enabled for it).
@@ -216,12 +218,19 @@ class IpcMapping:
             self._cuda.ipc_close(pointer)
 
 
+def open_ipc_export(exported: Any, cuda: Optional[CudaRuntime] = None) -> IpcMapping:
+    """Maps device memory the daemon exported by CUDA IPC handle on this process's ordinal
+    of its GPU: anything with ``cuda_ipc_handle``, ``bytes``, ``device_uuid`` and
+    ``device_pci_bus_id`` (a ``CreatedScoreRegion`` or a ``KvPool`` of backend "cuda")."""
+    cuda = cuda if cuda is not None else runtime()
+    device = cuda.find_device(exported.device_uuid, exported.device_pci_bus_id)
+    pointer = cuda.ipc_open(bytes(exported.cuda_ipc_handle), device)
+    return IpcMapping(cuda, pointer, int(exported.bytes), device)
+
+
 def open_created_region(created: Any, cuda: Optional[CudaRuntime] = None) -> IpcMapping:
     """Maps a ``CreatedScoreRegion`` of backend "cuda" on this process's ordinal of its GPU."""
-    cuda = cuda if cuda is not None else runtime()
-    device = cuda.find_device(created.device_uuid, created.device_pci_bus_id)
-    pointer = cuda.ipc_open(bytes(created.cuda_ipc_handle), device)
-    return IpcMapping(cuda, pointer, int(created.bytes), device)
+    return open_ipc_export(created, cuda)
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -251,8 +260,8 @@ def _load() -> CudaRuntime:
         _declare(lib)
         return CudaRuntime(lib, name=candidate)
     raise KvCacheError(grpc.StatusCode.FAILED_PRECONDITION,
-                       "a CUDA score region needs the CUDA runtime (libcudart), and none "
-                       "could be loaded: " + ("; ".join(tried) or "none found"))
+                       "a CUDA score region or KV pool needs the CUDA runtime (libcudart), "
+                       "and none could be loaded: " + ("; ".join(tried) or "none found"))
 
 
 def _candidates() -> List[str]:

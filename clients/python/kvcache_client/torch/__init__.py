@@ -12,8 +12,9 @@ What a model worker needs around the client (docs/PYTHON.md, "The torch worker s
   row of a folded sequence (SPEC.md "Folded reports"). :class:`ObservationWindow`, filled
   during prefill, makes step 1's rows pool the prompt's last queries' attention too.
 * **KV caches** that apply the daemon's decisions: :class:`DenseKvCache` (per-layer
-  tensors the worker owns) and :class:`PooledKvCache` (the daemon's host shared-memory KV
-  pool, mapped by :class:`KvPoolMapping`, addressed through the daemon's slot table).
+  tensors the worker owns) and :class:`PooledKvCache` (the daemon's KV pool, host shared
+  memory or, with a CUDA engine, the GPU's memory opened by IPC handle, mapped by
+  :class:`KvPoolMapping`, addressed through the daemon's slot table).
 * **a decode loop** (:class:`DecodeLoop`) that follows ``next_needs_scores``: no capture
   on the steps that need no scores; ``submit``/``complete`` keep a step in flight, and
   :class:`MicroBatchedDecode` alternates micro-batches, each computed while the other's

@@ -1,5 +1,5 @@
 """KV caches that apply kvcached's decisions: the worker's own tensors (DenseKvCache) or
-the daemon's host shared-memory KV pool (KvPoolMapping, PooledKvCache).
+the daemon's KV pool, host shared memory or a GPU's memory (KvPoolMapping, PooledKvCache).
 
 Not thread-safe: a cache belongs to one worker thread.
 """
@@ -164,39 +164,75 @@ class DenseKvCache(_StepState):
 
 
 class KvPoolMapping:
-    """One rank's host shared-memory KV pool of kvcached (``--pool_memory_bytes``,
-    ``--backend=host``), mapped into this process as a torch tensor.
+    """One rank's KV pool of kvcached (``--pool_memory_bytes``), mapped into this process as
+    a torch tensor: a host shared-memory pool (``--backend=host``) by mmap, a CUDA pool
+    (``--backend=cuda``) by its CUDA IPC handle on this process's ordinal of the pool's GPU
+    (found by PCI bus id, checked by UUID: :mod:`kvcache_client.cuda_runtime`).
 
     ``blocks``: ``[capacity_blocks, layers, 2 (K, V), tokens_per_block, kv_heads,
     head_dim]`` of the pool's dtype, the layout of docs/GPU.md "Memory layout"; slot ``s``
-    is token ``s % tokens_per_block`` of block ``s // tokens_per_block``. Writes land in the
-    daemon's memory. ``close()`` (or the ``with``) unmaps it; the daemon owns and unlinks
-    the object. Requires the daemon on this node, as this user (or root).
+    is token ``s % tokens_per_block`` of block ``s // tokens_per_block``. ``device`` says
+    where it lives (``cpu``, or ``cuda:N`` in this process's numbering). Writes land in the
+    daemon's memory. Requires the daemon on this node, as this user (or root).
+
+    ``close()`` (or the ``with``) drops ``blocks`` and then unmaps (closes the IPC handle);
+    tensors taken from ``blocks`` must be gone by then. The daemon owns the memory and
+    frees it when it exits (it never retires a pool while it runs): close the mapping
+    before the daemon is stopped. A CUDA mapping of a daemon that exited is device memory
+    freed under it (CUDA leaves its use undefined); a host mapping keeps the unlinked
+    object's pages, no longer the daemon's. After a restart, map the new daemon's pools.
     """
 
     def __init__(self, pool: Any) -> None:
         """``pool``: a :class:`~kvcache_client.KvPool` (``client.describe_kv_pools()``)."""
-        if pool.backend != "host" or not pool.shm_name:
-            raise ValueError(f"rank {pool.rank}'s pool is not host shared memory "
-                             f"(backend {pool.backend!r}, shm_name {pool.shm_name!r}): start "
-                             "kvcached with --backend=host and --kv_shared_memory=true")
         self.pool = pool
         self.rank = pool.rank
+        self.tokens_per_block = pool.tokens_per_block
+        self._mmap: Optional[mmap.mmap] = None
+        self._ipc: Any = None  # cuda_runtime.IpcMapping of a CUDA pool
+        if pool.backend == "cuda":
+            raw = self._map_device(pool)
+        elif pool.backend == "host" and pool.shm_name:
+            raw = self._map_host(pool)
+        else:
+            raise ValueError(f"rank {pool.rank}'s pool is neither host shared memory nor "
+                             f"CUDA device memory (backend {pool.backend!r}, shm_name "
+                             f"{pool.shm_name!r}): start kvcached with --backend=host "
+                             "--kv_shared_memory=true, or --backend=cuda")
+        dtype = _TORCH_DTYPES[pool.dtype]
+        used = pool.capacity_blocks * pool.block_bytes  # a CUDA pool's bytes are rounded up
+        if used > raw.numel():
+            self.close()
+            raise ValueError(f"rank {pool.rank}'s pool maps {raw.numel()} bytes, below its "
+                             f"{pool.capacity_blocks} blocks of {pool.block_bytes} bytes")
+        self.blocks: Optional[Tensor] = raw[:used].view(dtype).view(
+            pool.capacity_blocks, pool.layers, 2, pool.tokens_per_block, pool.kv_heads,
+            pool.head_dim)
+        self.device: torch.device = self.blocks.device
+
+    def _map_host(self, pool: Any) -> Tensor:
         path = "/dev/shm/" + pool.shm_name.lstrip("/")
         fd = os.open(path, os.O_RDWR)
         try:
-            self._mmap: Optional[mmap.mmap] = mmap.mmap(fd, pool.bytes, mmap.MAP_SHARED,
-                                                        mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(fd, pool.bytes, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        dtype = _TORCH_DTYPES[pool.dtype]
-        flat = torch.frombuffer(self._mmap, dtype=dtype,
-                                count=pool.capacity_blocks * pool.block_bytes
-                                // torch.empty((), dtype=dtype).element_size())
-        self.blocks: Optional[Tensor] = flat.view(
-            pool.capacity_blocks, pool.layers, 2, pool.tokens_per_block, pool.kv_heads,
-            pool.head_dim)
-        self.tokens_per_block = pool.tokens_per_block
+        return torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def _map_device(self, pool: Any) -> Tensor:
+        from .. import cuda_runtime  # loads CUDA: only for a pool in device memory
+        from ..errors import KvCacheError
+        try:
+            self._ipc = cuda_runtime.open_ipc_export(pool)
+        except KvCacheError as error:
+            raise KvCacheError(error.code, f"rank {pool.rank}'s KV pool: {error.message}") \
+                from None
+        try:
+            return self._ipc.as_tensor()
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def for_rank(cls, client: Any, rank: int = 0) -> "KvPoolMapping":
@@ -208,8 +244,12 @@ class KvPoolMapping:
                          "(start it with --pool_memory_bytes)")
 
     def close(self) -> None:
-        """Unmaps the pool (tensors taken from ``blocks`` must be gone by then)."""
+        """Drops ``blocks``, then unmaps the pool (tensors taken from ``blocks`` must be
+        gone by then: a CUDA one would point at an unmapped range). Idempotent."""
         self.blocks = None
+        if self._ipc is not None:
+            ipc, self._ipc = self._ipc, None
+            ipc.close()
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -234,8 +274,16 @@ class PooledKvCache(_StepState):
     from the import's answer. A step: ``keys, values = cache.extend(layer, k, v)`` per layer
     gathers the cached tokens' K/V by slot and appends the new token's (kept aside: its slot
     comes with the decision); ``cache.apply(decision)`` drops the evicted tokens' slots,
-    follows the compaction moves the daemon made (it moved the bytes; the table follows),
-    and writes the new token's K/V at ``new_token_slot`` on every layer.
+    follows the compaction moves the daemon made (it moved the bytes in the pool, on the
+    GPU for a CUDA pool, before it answered; the table follows), and writes the new token's
+    K/V at ``new_token_slot`` on every layer.
+
+    The pool may be host memory or a GPU's (``mapping.device``); the K/V given must be on
+    that device (ValueError otherwise). On a GPU every pool access is queued on the current
+    stream without a host round trip (the slot indices go to the device once per step),
+    except one wait: the daemon moves tokens in place once it has a step's report, so the
+    last layer's :meth:`extend` waits until this cache's reads and writes of the pool so far
+    have run (:meth:`synchronize`), on the streams they were queued on only.
     """
 
     def __init__(self, mapping: KvPoolMapping, slots: Sequence[int],
@@ -249,6 +297,7 @@ class PooledKvCache(_StepState):
         self.rank = mapping.rank
         self.slots: List[int] = [int(s) for s in slots]
         self._slot_index: Optional[Tuple[Tensor, Tensor]] = None
+        self._streams: Dict[Any, None] = {}  # CUDA streams with pool accesses not waited for
 
     @classmethod
     def open(cls, client: Any, mapping: KvPoolMapping, sequence_id: str) -> "PooledKvCache":
@@ -288,25 +337,46 @@ class PooledKvCache(_StepState):
     def __len__(self) -> int:
         return len(self.positions)
 
-    def _index(self) -> Tuple[Tensor, Tensor]:
+    def _pool(self) -> Tensor:
+        """The mapping's ``blocks``, noting the stream its next access is queued on."""
+        pool = self.mapping.blocks
+        if pool is None:
+            raise ValueError(f"rank {self.rank}'s KV pool mapping is closed")
+        if pool.is_cuda:
+            self._streams[torch.cuda.current_stream(pool.device)] = None
+        return pool
+
+    def _check_device(self, pool: Tensor, what: str, tensors: Sequence[Tensor]) -> None:
+        for tensor in tensors:
+            if tensor.device != pool.device:
+                raise ValueError(f"{what} is on {tensor.device}, rank {self.rank}'s KV pool "
+                                 f"on {pool.device}: compute on the pool's device")
+
+    def _index(self, pool: Tensor) -> Tuple[Tensor, Tensor]:
+        """(block, token in block) of each slot: built once per step on the pool's device."""
         if self._slot_index is None:
             slots = torch.tensor(self.slots, dtype=torch.long)
+            if pool.is_cuda:  # from pinned memory: queued on the stream, not waited for
+                slots = slots.pin_memory().to(pool.device, non_blocking=True)
             tpb = self.mapping.tokens_per_block
             self._slot_index = (slots // tpb, slots % tpb)
         return self._slot_index
 
     def load_prefill(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> None:
         """Writes the cached tokens' K/V (per layer ``[kv_heads, n, d]``, in position
-        order) into their slots."""
-        blocks, toks = self._index()
-        pool = self.mapping.blocks
-        for layer in range(self.layers):
-            pool[blocks, layer, 0, toks] = keys[layer].transpose(0, 1).to(pool.dtype)
-            pool[blocks, layer, 1, toks] = values[layer].transpose(0, 1).to(pool.dtype)
+        order, on the pool's device) into their slots."""
+        pool = self._pool()
+        self._check_device(pool, "the prefill's K/V", [*keys, *values])
+        blocks, toks = self._index(pool)
+        for kv, given in ((0, keys), (1, values)):
+            # [n, layers, kv_heads, d]: every layer's tokens in one indexed write
+            pool[blocks, :, kv, toks] = torch.stack(
+                [t.transpose(0, 1) for t in given], dim=1).to(pool.dtype)
 
     def _gather(self, layer: int, kv: int) -> Tensor:
-        blocks, toks = self._index()
-        return self.mapping.blocks[blocks, layer, kv, toks]  # [n, kv_heads, d], a copy
+        pool = self._pool()
+        blocks, toks = self._index(pool)
+        return pool[blocks, layer, kv, toks]  # [n, kv_heads, d], a copy
 
     def keys(self, layer: int) -> Tensor:
         """``[kv_heads, n, d]``: the cached keys of ``layer``, gathered by slot (a copy)."""
@@ -317,12 +387,25 @@ class PooledKvCache(_StepState):
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """Gathers ``layer``'s cached K/V and appends the step's token: ``[kv_heads, n + 1,
-        d]`` each (in the pool's dtype; token-major underneath, like DenseKvCache's)."""
+        d]`` each (in the pool's dtype; token-major underneath, like DenseKvCache's). The
+        step's last layer then waits for this cache's pool accesses (:meth:`synchronize`)."""
+        pool = self._pool()
+        self._check_device(pool, f"layer {layer}'s new K/V", (k, v))
         self._pend(layer, k, v)
-        dtype = self.mapping.blocks.dtype
-        keys = torch.cat([self._gather(layer, 0), k.to(dtype).unsqueeze(0)], dim=0)
-        values = torch.cat([self._gather(layer, 1), v.to(dtype).unsqueeze(0)], dim=0)
+        keys = torch.cat([self._gather(layer, 0), k.to(pool.dtype).unsqueeze(0)], dim=0)
+        values = torch.cat([self._gather(layer, 1), v.to(pool.dtype).unsqueeze(0)], dim=0)
+        if len(self._pending) == self.layers:  # the step's report may leave next
+            self.synchronize()
         return keys.transpose(0, 1), values.transpose(0, 1)
+
+    def synchronize(self) -> None:
+        """Waits until this cache's reads and writes of a CUDA pool queued so far have run
+        (their streams only; nothing to wait for on a host pool). :meth:`extend` calls it
+        at each step's last layer; call it before the daemon reads the pool otherwise (an
+        export to another node after :meth:`apply` or :meth:`load_prefill`)."""
+        streams, self._streams = self._streams, {}
+        for stream in streams:
+            stream.synchronize()
 
     def apply(self, decision: Any) -> None:
         """Applies an accepted Decision of this step (its ``kv_changes`` for this rank)."""
@@ -343,10 +426,10 @@ class PooledKvCache(_StepState):
         if not new_evicted:
             slot = change.new_token_slot
             block, tok = divmod(slot, self.mapping.tokens_per_block)
-            pool = self.mapping.blocks
-            for layer, (k, v) in self._pending.items():
-                pool[block, layer, 0, tok] = k.to(pool.dtype)
-                pool[block, layer, 1, tok] = v.to(pool.dtype)
+            pool = self._pool()
+            for kv in (0, 1):  # [layers, kv_heads, d] into the slot, every layer at once
+                pool[block, :, kv, tok] = torch.stack(
+                    [self._pending[layer][kv] for layer in range(self.layers)]).to(pool.dtype)
             self.slots.append(slot)
         self._slot_index = None
         self._commit(gone, new_evicted)
