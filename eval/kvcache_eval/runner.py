@@ -95,13 +95,15 @@ class Outcome:
 
 
 def prefill(model: Decoder, sample: tasks.Sample, windows: Sequence[int] = ()) -> Prefilled:
-    """The prompt run once; ``windows``: the observation window sizes to fill as it runs
-    (those of the configurations that will decode from it)."""
+    """The prompt run once, on the model's device (its K/V stay there); ``windows``: the
+    observation window sizes to fill as it runs (those of the configurations that will
+    decode from it)."""
     start = time.perf_counter()
     filled = {size: ObservationWindow(size) for size in sorted(set(windows)) if size}
     with torch.no_grad():
-        logits, keys, values = model.prefill(torch.tensor([sample.prompt]),
-                                             list(filled.values()))
+        logits, keys, values = model.prefill(
+            torch.tensor([sample.prompt], device=model.embed.weight.device),
+            list(filled.values()))
     return Prefilled(sample, [k[0].contiguous() for k in keys],
                      [v[0].contiguous() for v in values],
                      int(logits[0, -1].argmax()), time.perf_counter() - start, filled)
@@ -132,25 +134,34 @@ class Runner:
     def __init__(self, model: Decoder, client: Optional[KvCacheClient],
                  mapping: Optional[KvPoolMapping], *, score_region_bytes: int = 1 << 20,
                  seed: int = 0,
-                 peer: Optional[Tuple[KvCacheClient, Optional[KvPoolMapping]]] = None) -> None:
+                 peer: Optional[Tuple[KvCacheClient, Optional[KvPoolMapping]]] = None,
+                 daemon_score_region: bool = False) -> None:
         """``peer``: the decode node's daemon of hand-off runs (its client, and the mapping
-        of its KV pool for pooled runs); its pools must be shaped like ``client``'s."""
+        of its KV pool for pooled runs); its pools must be shaped like ``client``'s.
+        ``daemon_score_region``: the score region is the daemon's (device memory with a
+        CUDA engine, which a model on the GPU writes in place), not one of this process."""
         self.model = model
         self.client = client
         self.mapping = mapping
         self.seed = seed
-        self.batch, self.inline_batch = self._batches(client, score_region_bytes)
+        self.batch, self.inline_batch = self._batches(client, score_region_bytes,
+                                                      daemon_score_region)
         self.peer_client, self.peer_mapping = peer if peer is not None else (None, None)
-        self.peer_batch, self.peer_inline_batch = self._batches(self.peer_client,
-                                                                score_region_bytes)
+        self.peer_batch, self.peer_inline_batch = self._batches(
+            self.peer_client, score_region_bytes, daemon_score_region)
 
     @staticmethod
-    def _batches(client: Optional[KvCacheClient], score_region_bytes: int) -> Tuple[Any, Any]:
+    def _batches(client: Optional[KvCacheClient], score_region_bytes: int,
+                 daemon_score_region: bool = False) -> Tuple[Any, Any]:
         """(the batch whose scores go through a score region, the inline one)."""
         if client is None:
             return None, None
-        shm = client.batch(score_region_bytes=score_region_bytes) if score_region_bytes \
-            else client.batch()
+        if not score_region_bytes:
+            shm = client.batch()
+        elif daemon_score_region:
+            shm = client.batch(score_region_bytes=score_region_bytes, daemon_score_region=True)
+        else:
+            shm = client.batch(score_region_bytes=score_region_bytes)
         return shm, client.batch()
 
     def close(self) -> None:

@@ -15,7 +15,15 @@
 # (the verdict and the figures) go to $OUT when it is set, else to a new /tmp directory.
 # Environment: KVCM_STEP_TIMEOUT (seconds per step, default 240), KVCM_BENCH_MIN_TIME
 # (seconds per benchmark, default 0.2), KVCM_SKIP_BENCH=1, KVCM_SKIP_SANITIZER=1,
-# KVCM_NCCL_LIB_DIR (where libnccl.so.2 is), CUDA_VISIBLE_DEVICES (honoured).
+# KVCM_SKIP_WORKER=1 (the Python stage), KVCM_NCCL_LIB_DIR (where libnccl.so.2 is),
+# CUDA_VISIBLE_DEVICES (honoured).
+#
+# The Python stage (a GPU visible): the carry's client wheel installed into a virtual
+# environment of the machine's python3 (its torch and grpcio), then
+# tests/gpu/worker_check.py from the carry's src/: the torch-helper tests on CUDA, the
+# short evaluation through the carry's kvcached (CUDA engine, then CPU engine: identical
+# generations), decode tokens/s with each, the first step at a 128k-token prompt; its
+# figures go into gpu-check.json under "worker".
 #
 # Exit status: 0 when everything passed; 1 when anything failed (with a GPU visible, any
 # skipped test is a failure except the NCCL cases that need more GPUs than there are);
@@ -99,9 +107,11 @@ libs="$carry/lib"
 # The bundled C++ runtime only where the machine's is older than the one linked against.
 ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
 system_cxx=$("$ldconfig" -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 / {print $NF; exit}')
-if [ -z "$system_cxx" ] || ! grep -q "GLIBCXX_3.4.29" "$system_cxx" 2>/dev/null; then
+cxx_needed=$(cat "$carry/lib/compat/needs" 2>/dev/null)  # what the carry needs
+[ -n "$cxx_needed" ] || cxx_needed=GLIBCXX_3.4.29
+if [ -z "$system_cxx" ] || ! grep -qF "$cxx_needed" "$system_cxx" 2>/dev/null; then
   libs="$libs:$carry/lib/compat"
-  note "using the carry's libstdc++ (the machine's is missing or older than GLIBCXX_3.4.29)"
+  note "using the carry's libstdc++ (the machine's is missing or older than $cxx_needed)"
 fi
 nccl_dir=${KVCM_NCCL_LIB_DIR:-}
 if [ -z "$nccl_dir" ] && command -v python3 >/dev/null 2>&1; then
@@ -115,10 +125,16 @@ if [ -z "$nccl_dir" ] || [ ! -e "$nccl_dir/libnccl.so.2" ]; then
   done
 fi
 [ -n "$nccl_dir" ] && libs="$libs:$nccl_dir" && say "NCCL: $nccl_dir/libnccl.so.2"
+# The test binaries run with the carry's libraries on LD_LIBRARY_PATH; Python keeps the
+# machine's own (its ssl, zlib and C++ runtime) and starts kvcached through the carry's
+# launcher bin/kvcached, which takes this path from KVCM_CARRY_LIBRARY_PATH.
+machine_ld_path=${LD_LIBRARY_PATH:-}
+export KVCM_CARRY_LIBRARY_PATH="$libs"
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVCM_TEST_DATA_DIR="$carry/data"
 [ "$smi_gpus" -gt 0 ] && [ "$visible" = "$smi_gpus" ] && export KVCM_EXPECT_GPUS=$visible
 have_python=0
+venv_python=""  # the client installed (python_wheel_check)
 command -v python3 >/dev/null 2>&1 && have_python=1
 [ "$have_python" = 1 ] || note "python3 not found: skips cannot be told apart, the JSON is not written"
 
@@ -147,6 +163,38 @@ gtest pools_test
 gtest gpu_kernel_parity_test 'CudaAdapterTest.*:DeviceCountTest.*' device_count
 gtest gpu_block_pool_test 'CudaBlockPoolTest.HostStorageHasNoCudaExport:CudaBlockPoolTest.RejectsADeviceThatDoesNotExist' pool_host
 
+# kvcached from the carry, as the Python stage starts it: the launcher, nothing of the
+# carry on LD_LIBRARY_PATH, the CPU engine; it must serve (write its port file) and drain
+# on SIGTERM (exit 0).
+daemon_check() {
+  local dir="$out/daemon-check" pid rc waited=0
+  rm -rf "$dir" && mkdir -p "$dir"
+  [ -x "$carry/bin/kvcached" ] && [ -x "$carry/libexec/kvcached" ] ||
+    { fail "kvcached is not in the carry (bin/kvcached, libexec/kvcached)"; return 1; }
+  LD_LIBRARY_PATH="$machine_ld_path" "$carry/bin/kvcached" --listen=127.0.0.1:0 \
+    --metrics_listen=127.0.0.1:0 --port_file="$dir/ports.json" --engine_backend=cpu \
+    >"$out/logs/kvcached-start.log" 2>&1 &
+  pid=$!
+  while [ ! -s "$dir/ports.json" ] && kill -0 "$pid" 2>/dev/null && [ "$waited" -lt 300 ]; do
+    sleep 0.1; waited=$((waited + 1))
+  done
+  if [ ! -s "$dir/ports.json" ]; then
+    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    tail -5 "$out/logs/kvcached-start.log" | sed 's/^/     /'
+    fail "the carry's kvcached did not start (log: $out/logs/kvcached-start.log)"
+    return 1
+  fi
+  kill -TERM "$pid"
+  wait "$pid"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    fail "the carry's kvcached exited $rc after SIGTERM (log: $out/logs/kvcached-start.log)"
+    return 1
+  fi
+  say "   kvcached: served on $(cat "$dir/ports.json") and drained"
+}
+daemon_check
+
 # The Python client's wheel (the carry's python/), installed as a user would: a virtual
 # environment on this machine's python3 that sees its grpcio, protobuf and torch, the wheel
 # without dependencies (no registry here), then the client, its stubs and kvcache_client.torch
@@ -154,6 +202,7 @@ gtest gpu_block_pool_test 'CudaBlockPoolTest.HostStorageHasNoCudaExport:CudaBloc
 # Called with a GPU visible only (after the no-GPU exit), which keeps that path short.
 python_wheel_check() {
   local wheel venv="$out/python-venv"
+  venv_python=""
   wheel=$(ls "$carry"/python/kvcache_client-*.whl 2>/dev/null | tail -1)
   [ -n "$wheel" ] || { note "no Python wheel in the carry: the client's install was not checked"; return 0; }
   [ "$have_python" = 1 ] || return 0
@@ -175,6 +224,31 @@ for m in (kvcache_client, kvcache_client.torch, g):
     print(m.__name__, m.__file__)') ||
     { fail "the installed wheel does not import (logs/python_wheel_import.log)"; return 0; }
   say "python wheel: $(basename "$wheel") installed and imported"
+  venv_python="$venv/bin/python"
+}
+
+# The worker (tests/gpu/worker_check.py from the carry's src/) on the installed client,
+# pytest from the carry where the machine's Python has none; its figures land in
+# worker-check.json, which write_json puts into gpu-check.json.
+python_worker_check() {
+  local site="" rc
+  [ -n "$venv_python" ] || { note "the Python worker did not run (the client wheel is not installed)"; return 0; }
+  if ! env -u PYTHONPATH "$venv_python" -c 'import pytest' >/dev/null 2>&1; then
+    if [ -d "$carry/python/site" ]; then
+      site="$carry/python/site"
+      note "pytest from the carry (the machine's Python has none)"
+    else
+      note "no pytest: the torch-helper tests will not run"
+    fi
+  fi
+  (cd "$out" && run python_worker $((step_timeout * 3)) env -u PYTHONPATH ${site:+PYTHONPATH="$site"} \
+      LD_LIBRARY_PATH="$machine_ld_path" KVCM_KVCACHED="$carry/bin/kvcached" \
+      "$venv_python" "$carry/src/tests/gpu/worker_check.py" --device cuda \
+      --kvcached "$carry/bin/kvcached" --out "$out/worker-check.json" --pytest-timeout "$step_timeout" \
+      --log-dir "$out/logs")
+  rc=$?
+  grep -E '^(worker|pytest|eval|decode|first step|FAIL)' "$out/logs/python_worker.log" | sed 's/^/   /'
+  [ "$rc" -eq 0 ] || fail "the Python worker check failed (exit $rc; log: $out/logs/python_worker.log)"
 }
 
 write_json() {  # the verdict and the figures, from the logs and JSON written so far
@@ -234,6 +308,15 @@ for kind in ("replay", "sanitizer"):
 if result["replay"]:
     result["goals"]["golden_vectors_exact_through_replay_device_cuda"] = all(
         v == "exact" for v in result["replay"].values())
+worker = os.path.join(out, "worker-check.json")
+if os.path.exists(worker):
+    try:
+        result["worker"] = w = json.load(open(worker))
+        result["goals"]["worker_torch_tests_ran_on_cuda"] = w.get("pytest", {}).get("ok")
+        result["goals"]["worker_generations_identical_cuda_vs_cpu_engine"] = \
+            w.get("eval", {}).get("identical")
+    except Exception as e:
+        result["worker"] = {"error": str(e)}
 json.dump(result, open(os.path.join(out, "gpu-check.json"), "w"), indent=2)
 PY
 }
@@ -396,6 +479,13 @@ for e in errors:
 sys.exit(1 if errors else 0)  # with a GPU visible, every error counts (a wrong result too)
 PY
   fi
+fi
+
+if [ "${KVCM_SKIP_WORKER:-0}" = 1 ]; then
+  note "the Python worker stage skipped (KVCM_SKIP_WORKER=1)"
+else
+  phase "Python worker (torch-helper tests on CUDA, the evaluation through the carry's kvcached)"
+  python_worker_check
 fi
 
 phase "summary"
