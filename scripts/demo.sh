@@ -10,6 +10,10 @@
 #   3. kvcache-loadgen --serve: what a node gains, the concurrent decoding sequences of
 #      the daemon's fixed KV pool at rho = 0.9 against the full cache (docs/BENCHMARKS.md,
 #      "Capacity", has every configuration and the hand-off).
+#   4. kvcache-eval --first_step_only: the trained decoder's first decode step through a
+#      daemon of its own shape, plain inertia against inertia with the observation window
+#      and span pooling: how much of the answer's evidence step 1 keeps at rho = 0.9
+#      (docs/EVALUATION.md, "The first step composed", has accuracy and every preset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +23,7 @@ if [ ! -f build/CMakeCache.txt ]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >build.configure.log 2>&1 ||
     { cat build.configure.log; exit 1; }
 fi
-cmake --build build -j "$(nproc)" --target kvcached kvcache-replay kvcache-loadgen
+cmake --build build -j "$(nproc)" --target kvcached kvcache-replay kvcache-loadgen kvcm_python_stubs
 
 work=$(mktemp -d)
 daemon_pid=""
@@ -77,4 +81,12 @@ status=0
 wait "$daemon_pid" || status=$?
 daemon_pid=""
 echo "kvcached stopped on SIGTERM with exit status $status"
+echo
+
+# The decoder's K/V shape differs from the demo pool's, so the evaluation starts a kvcached
+# of its own (and stops it).
+echo "== the first step composed: the trained decoder (eval/weights), 8 samples of each of"
+echo "   5 retrieval tasks, step 1 at rho = 0.9 through kvcached"
+/usr/bin/python3 eval/kvcache-eval --first_step_only --per_task 8 --lengths 256,512 \
+  --kvcached build/bin/kvcached
 exit "$status"

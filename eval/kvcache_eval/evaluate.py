@@ -56,6 +56,7 @@ from kvcache_client.policy import PRESETS  # the one list: cache_manager/policy/
 from kvcache_client.torch import KvPoolMapping
 
 from . import bootstrap, diagnostics, report, tasks
+from .first_step import first_step_gain
 from .daemon import REPO_ROOT, Kvcached, pool_flags, scrape
 from .model import load
 from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
@@ -503,6 +504,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="samples per task of the composed section (the main set's first)")
     parser.add_argument("--sweep_per_task", type=int, default=4,
                         help="samples per task of the window/span sweep (0: no sweep)")
+    parser.add_argument("--first_step_only", action="store_true",
+                        help="only the composed first step's evidence kept at the ablation "
+                        "ratio, plain against window + span pooling, on --per_task samples "
+                        "per task: printed, no page written (seconds; the demo runs it)")
     parser.add_argument("--skip", default="",
                         help="comma list of parts to skip: "
                         "main,composed,ablations,shift,diagnostics,throughput")
@@ -534,6 +539,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             KvCacheClient(daemon.address, timeout=60) as client, \
             KvPoolMapping.for_rank(client, 0) as mapping:
         runner = Runner(model, client, mapping, seed=args.seed)
+        if args.first_step_only:
+            try:
+                span = args.span_pool if span_pool_supported(client) else 0
+                print(first_step_gain(runner, model, args.seed, args.per_task, lengths,
+                                      args.ablation_ratio, args.window, span,
+                                      composed_policy).describe(), flush=True)
+            finally:
+                runner.close()
+            return 0
         try:
             samples = tasks.eval_set(args.seed, args.per_task, lengths)
             main_out: Dict[str, List[Outcome]] = {}

@@ -15,10 +15,10 @@ sys.path.insert(0, str(REPO_ROOT / "eval"))
 from kvcache_client import KvCacheClient  # noqa: E402
 from kvcache_client.torch import DenseKvCache, ObservationWindow, StepScores  # noqa: E402
 from kvcache_eval import tasks  # noqa: E402
-from kvcache_eval.bootstrap import paired_difference  # noqa: E402
 from kvcache_eval.daemon import pool_flags  # noqa: E402
 from kvcache_eval.evaluate import (DEFAULT_WEIGHTS, SPAN_POOL, WINDOW,  # noqa: E402
                                    composed_policy, span_pool_supported)
+from kvcache_eval.first_step import first_step_gain  # noqa: E402
 from kvcache_eval.model import load  # noqa: E402
 from kvcache_eval.runner import RunConfig, Runner, prefill  # noqa: E402
 
@@ -53,16 +53,11 @@ def runner(model, tmp_path_factory):
 def test_the_composed_first_step_keeps_more_evidence_at_ninety_percent(model, runner):
     # Span pooling where the daemon does it (else the window alone, which must still win).
     span = SPAN_POOL if span_pool_supported(runner.client) else 0
-    plain = RunConfig("inertia@0.9", "inertia", 0.9, pooled=False, first_step_only=True)
-    composed = RunConfig("inertia+composed@0.9", composed_policy("inertia", span), 0.9,
-                         pooled=False, first_step_only=True, window=WINDOW)
-    kept = {plain.name: [], composed.name: []}
-    for index, sample in enumerate(tasks.eval_set(SEED, PER_TASK, LENGTHS)):
-        pre = prefill(model, sample, [WINDOW])
-        for config in (plain, composed):
-            kept[config.name].append(runner.run(config, pre, index).evidence_kept)
-    gain = paired_difference(kept[composed.name], kept[plain.name])
-    assert gain.low > 0, (span, gain, kept)
+    result = first_step_gain(runner, model, SEED, PER_TASK, LENGTHS, 0.9, WINDOW, span,
+                             composed_policy)
+    assert len(result.plain) == len(result.composed) == PER_TASK * len(tasks.TASKS)
+    assert result.gain.low > 0, (span, result.gain, result.plain, result.composed)
+    assert "evidence kept after step 1 at rho = 0.9" in result.describe()
 
 
 def test_with_the_window_off_nothing_changes(model, runner):
