@@ -135,7 +135,7 @@ class ScoreRegion {
   // Device memory only (device_ >= 0).
   int device_ = -1;
   void* event_ = nullptr;           // cudaEvent_t recorded after the last write
-  void* last_stream_ = nullptr;     // cudaStream_t it was last recorded on
+  [[maybe_unused]] void* last_stream_ = nullptr;  // cudaStream_t last recorded on (CUDA builds)
   bool unwaited_ = false;           // recorded since the last WaitForWrites
 };
 
