@@ -352,6 +352,7 @@ void ToProto(const BlockPool& pool, KvBackend backend, v1::KvPool* out) {
   out->set_capacity_blocks(usage.capacity_blocks);
   out->set_used_blocks(usage.used_blocks);
   SetMemoryExport(memory, out);
+  out->set_export_unavailable(memory.unavailable);
 }
 
 void ToProto(const kernels::KvBlockLayout& layout, v1::KvBlockGeometry* out) {

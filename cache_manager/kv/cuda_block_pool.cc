@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/status_macros.h"
+#include "cache_manager/kv/ipc_availability.h"
 #include "cache_manager/kv/ipc_export_size.h"
 #include "kernels/cuda/cuda_adapter.h"
 #include "kernels/cuda/kv_compaction_cuda.h"
@@ -101,6 +102,22 @@ absl::Status CheckDevice(int device) {
 
 }  // namespace
 
+absl::StatusOr<GpuComputeMode> ComputeModeOf(int device) {
+  int mode = cudaComputeModeDefault;
+  RETURN_IF_ERROR(CudaStatus(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device),
+                             absl::StrCat("cudaDeviceGetAttribute(ComputeMode, ", device, ")")));
+  switch (mode) {
+    case cudaComputeModeExclusiveProcess:
+      return GpuComputeMode::kExclusiveProcess;
+    case cudaComputeModeProhibited:
+      return GpuComputeMode::kProhibited;
+    case cudaComputeModeDefault:
+      return GpuComputeMode::kDefault;
+    default:  // cudaComputeModeExclusive (per thread, retired) and any later mode
+      return GpuComputeMode::kExclusiveThread;
+  }
+}
+
 absl::StatusOr<CudaDeviceIdentity> DescribeCudaDevice(int device) {
   RETURN_IF_ERROR(CheckDevice(device));
   cudaDeviceProp properties{};
@@ -120,7 +137,9 @@ absl::StatusOr<CudaIpcExport> CudaIpcExportOf(const KvStorage& storage) {
   const MemoryExport& exported = cuda->memory_export();
   if (exported.kind != MemoryExport::Kind::kCudaIpc) {
     return absl::FailedPreconditionError(
-        "the CUDA KV storage was made without an IPC export (CudaStorageOptions::export_ipc)");
+        exported.unavailable.empty()
+            ? "the CUDA KV storage was made without an IPC export (CudaStorageOptions::export_ipc)"
+            : absl::StrCat("the CUDA KV storage has no IPC export: ", exported.unavailable));
   }
   return CudaIpcExport{exported.cuda_ipc_handle, exported.device, cuda->identity(),
                        exported.bytes};
@@ -161,15 +180,31 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int d
   if (status.ok()) status = kernels::cuda::SyncStatus(stream, absl::StrCat(what, "zero fill"));
   MemoryExport exported;
   if (status.ok() && options.export_ipc) {
+    absl::StatusOr<GpuComputeMode> mode = ComputeModeOf(device);
+    status = mode.status();
+    std::string unavailable;
     cudaIpcMemHandle_t handle;
-    status = CudaStatus(cudaIpcGetMemHandle(&handle, data),
-                        absl::StrCat(what, "cudaIpcGetMemHandle"));
-    exported.kind = MemoryExport::Kind::kCudaIpc;
-    exported.cuda_ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
-    exported.device = device;
-    exported.device_uuid = identity.uuid;
-    exported.device_pci_bus_id = identity.pci_bus_id;
-    exported.bytes = bytes;
+    if (status.ok()) unavailable = IpcExportUnavailableReason(device, *mode, true);
+    if (status.ok() && unavailable.empty()) {
+      const cudaError_t got = cudaIpcGetMemHandle(&handle, data);
+      if (got == cudaErrorNotSupported) {
+        cudaGetLastError();  // not sticky: leave no error for the next check
+        unavailable = IpcExportUnavailableReason(device, *mode, false);
+      } else {
+        status = CudaStatus(got, absl::StrCat(what, "cudaIpcGetMemHandle"));
+      }
+    }
+    if (status.ok() && !unavailable.empty()) {
+      // The memory stays this process's alone; the pool works, workers cannot map it.
+      exported.unavailable = std::move(unavailable);
+    } else if (status.ok()) {
+      exported.kind = MemoryExport::Kind::kCudaIpc;
+      exported.cuda_ipc_handle.assign(handle.reserved, sizeof(handle.reserved));
+      exported.device = device;
+      exported.device_uuid = identity.uuid;
+      exported.device_pci_bus_id = identity.pci_bus_id;
+      exported.bytes = bytes;
+    }
   }
   if (!status.ok()) {
     if (data != nullptr) cudaFree(data);

@@ -4,7 +4,10 @@
 // kernels::cuda::CompactKv on a stream of the storage's own and waits for it; every
 // operation of the storage (the fill included) runs on that stream, so they are ordered.
 //
-// Exporting the memory to a worker process is optional (CudaStorageOptions::export_ipc):
+// Exporting the memory to a worker process is optional (CudaStorageOptions::export_ipc),
+// and where the GPU cannot export (exclusive-process compute mode, no CUDA IPC on the
+// platform) the storage is made without it, memory_export().unavailable saying why
+// (ipc_availability.h):
 // with it, pool->memory_export() is kCudaIpc with the 64 bytes of a cudaIpcMemHandle_t
 // (to open with cudaIpcOpenMemHandle) and this process's device ordinal, and
 // CudaIpcExportOf(pool->storage()) adds what a worker needs to find the same GPU in its
@@ -20,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "cache_manager/kv/block_pool.h"
+#include "cache_manager/kv/ipc_availability.h"
 #include "cache_manager/kv/kv_storage.h"
 
 namespace kvcm {
@@ -37,6 +41,9 @@ struct CudaDeviceIdentity {
 
 // Errors: INVALID_ARGUMENT (no such device), INTERNAL (CUDA).
 absl::StatusOr<CudaDeviceIdentity> DescribeCudaDevice(int device);
+
+// The device's compute mode (cudaDevAttrComputeMode). INTERNAL (CUDA).
+absl::StatusOr<GpuComputeMode> ComputeModeOf(int device);
 
 // Everything a worker needs to map an exported CUDA storage.
 struct CudaIpcExport {

@@ -42,6 +42,9 @@ struct MemoryExport {
   std::string device_uuid;
   std::string device_pci_bus_id;
   int64_t bytes = 0;            // the mapped size; block b starts at b * block bytes
+  // kNone of storage that was asked to be exported but cannot be (device memory on a GPU
+  // in exclusive-process mode, a platform without CUDA IPC): why, for the operator.
+  std::string unavailable;
 };
 
 class KvStorage {

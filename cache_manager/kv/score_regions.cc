@@ -64,6 +64,11 @@ absl::Status CheckName(const std::string& name) {
 
 }  // namespace
 
+bool ScoreRegions::ExportedToAnotherProcess(const Mapping& mapping) {
+  return mapping.storage != nullptr &&
+         mapping.storage->memory_export().kind == MemoryExport::Kind::kCudaIpc;
+}
+
 ScoreRegions::~ScoreRegions() = default;
 
 absl::StatusOr<uint64_t> ScoreRegions::Register(absl::string_view tenant, const std::string& name,
@@ -176,6 +181,15 @@ absl::StatusOr<CreatedScoreRegion> ScoreRegions::Create(absl::string_view tenant
         "CreateScoreRegion: ", bytes, " bytes take ", taken, " in device memory; ",
         refused_by->Refusal(taken - bytes)));
   }
+  // Memory no worker can map (a GPU that cannot export it) is no region at all.
+  if ((*storage)->memory_export().kind == MemoryExport::Kind::kNone) {
+    const std::string why = (*storage)->memory_export().unavailable;
+    storage->reset();
+    if (budget != nullptr) budget->Give(taken);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CreateScoreRegion: ", why.empty() ? "the memory cannot be shared with a worker" : why,
+        "; send the scores inline, or through a region of your own (RegisterScoreRegion)"));
+  }
   // Host memory: a descriptor of our own object, to see a worker shrink it (a read past
   // the end of a shrunk object is a SIGBUS).
   int fd = -1;
@@ -256,7 +270,8 @@ int64_t ScoreRegions::DropIdle(absl::Duration idle, absl::Time now) {
   std::vector<std::shared_ptr<Mapping>> dropped;
   MutexLock lock(&mu_);
   for (auto it = regions_.begin(); it != regions_.end();) {
-    if (it->second->last_used_ns.load(std::memory_order_relaxed) <= cutoff) {
+    if (it->second->last_used_ns.load(std::memory_order_relaxed) <= cutoff &&
+        !ExportedToAnotherProcess(*it->second)) {
       dropped.push_back(std::move(it->second));
       regions_.erase(it++);
     } else {

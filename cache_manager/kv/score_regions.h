@@ -13,7 +13,8 @@
 // shared memory, against the object's current size (a worker that shrank the object
 // would otherwise fault the daemon on the next read; the check narrows that to a shrink
 // racing the read itself, which the ownership rule of the proto forbids). Regions nobody
-// named for the idle timeout are dropped. Thread-safe.
+// named for the idle timeout are dropped, except exported device memory (DropIdle).
+// Thread-safe.
 #ifndef KVCM_CACHE_MANAGER_KV_SCORE_REGIONS_H_
 #define KVCM_CACHE_MANAGER_KV_SCORE_REGIONS_H_
 
@@ -90,8 +91,9 @@ class ScoreRegions {
   absl::StatusOr<uint64_t> Register(absl::string_view tenant, const std::string& name,
                                     uint64_t byte_size);
   // Allocates a region of `byte_size` bytes for `tenant` (zero-filled; freed by
-  // Unregister, the idle drop, or the daemon's exit). INVALID_ARGUMENT for a bad size;
-  // FAILED_PRECONDITION when this daemon creates no regions; RESOURCE_EXHAUSTED past
+  // Unregister, the idle drop (not exported device memory), or the daemon's exit). INVALID_ARGUMENT for a bad size;
+  // FAILED_PRECONDITION when this daemon creates no regions, or when its memory cannot be
+  // shared with a worker (MemoryExport::unavailable, quoted); RESOURCE_EXHAUSTED past
   // max_regions or the created budget (saying what is used and left), or when the memory
   // cannot be had; INTERNAL for other failures of the allocator.
   // `rank` >= 0 (device engines): on that rank's device instead of the engine's
@@ -117,7 +119,12 @@ class ScoreRegions {
   };
   absl::StatusOr<View> Resolve(absl::string_view tenant, const ScoreRange& range) const;
 
-  // Unmaps the regions no report named since `now - idle`; returns how many.
+  // Unmaps the regions no report named since `now - idle`; returns how many. Created
+  // regions of device memory exported by CUDA IPC handle stay: the daemon cannot see
+  // whether a worker still has the handle open, and freed device memory goes to the next
+  // allocation (another tenant's region, a KV pool) while that worker can still write it.
+  // They go on Unregister (the clients close their mapping first) or at exit, and stay
+  // charged to the created budget meanwhile, which bounds them.
   int64_t DropIdle(absl::Duration idle, absl::Time now);
 
   int64_t count() const;
@@ -126,6 +133,9 @@ class ScoreRegions {
  private:
   struct Mapping;
 
+  // Whether `mapping` is memory another process may map without the daemon knowing (a
+  // created region exported by CUDA IPC handle): DropIdle keeps it.
+  static bool ExportedToAnotherProcess(const Mapping& mapping);
   // Adds `mapping` under a fresh id; RESOURCE_EXHAUSTED past max_regions.
   absl::StatusOr<uint64_t> Insert(std::shared_ptr<Mapping> mapping, absl::string_view what);
   absl::Status CheckRoom(absl::string_view what) const;

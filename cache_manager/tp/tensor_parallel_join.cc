@@ -32,6 +32,8 @@ TensorParallelJoin::~TensorParallelJoin() {
   if (device_backend_ == nullptr) return;
   const kernels::BackendMemory& mem = device_backend_->mem;
   if (!mem.set_device(device_).ok()) return;  // the device is gone; so is its memory
+  // Queued reads of the buffers and the pinned regions end before either goes.
+  if (device_work_queued_) (void)mem.synchronize(stream_, "destroying a tensor-parallel join");
   for (Slot& slot : slots_) mem.release(slot.device_copy);
   mem.release(device_joined_);
   mem.release_staging(staged_invalid_);
@@ -212,6 +214,8 @@ absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
   const kernels::BackendMemory& mem = device_backend_->mem;
   RETURN_IF_ERROR(mem.set_device(device_));
   if (stream_ == nullptr) RETURN_IF_ERROR(mem.device_stream(device_, &stream_));
+  // From here work may be queued that reads the reports' regions: Reset waits for it.
+  device_work_queued_ = true;
   views_.clear();
   devices_.clear();
   int64_t total_heads = 0;
@@ -276,6 +280,14 @@ kernels::ScoreMatrix TensorParallelJoin::Join() {
 }
 
 void TensorParallelJoin::Reset() {
+  // The regions pinned below may be freed with their last pin (a created region
+  // unregistered meanwhile): the join's queued reads of them must have run first. The
+  // engine has normally waited for the stream already (its step reads the result), so this
+  // returns at once; it matters when the step failed between the join and that wait.
+  if (device_work_queued_) {
+    (void)device_backend_->mem.synchronize(stream_, "releasing a joined step's score regions");
+    device_work_queued_ = false;
+  }
   for (Slot& slot : slots_) {
     slot.arrived = false;
     slot.head_count = 0;

@@ -128,7 +128,9 @@ class TensorParallelJoin {
   // REQUIRES: complete(), any_on_device().
   absl::StatusOr<kernels::ScoreMatrix> JoinOnDevice();
 
-  // Forgets the reports of the current step, keeping buffers for the next.
+  // Forgets the reports of the current step, keeping buffers for the next. After a
+  // JoinOnDevice it first waits for the device stream, so that no queued read of a
+  // report's region outlives the region's pin.
   void Reset();
 
  private:
@@ -162,6 +164,7 @@ class TensorParallelJoin {
   bool any_on_device_ = false;
   std::vector<int> devices_;  // reused by JoinOnDevice
   kernels::StreamHandle stream_ = nullptr;  // the device backend's stream of device_
+  bool device_work_queued_ = false;         // JoinOnDevice ran since the last Reset
   std::vector<int64_t*> device_invalid_;   // [1] on each device, by device number
   int64_t* staged_invalid_ = nullptr;       // [1] host staging
   float* device_joined_ = nullptr;

@@ -40,6 +40,16 @@ namespace {
 using kernels::KvBlockLayout;
 using kernels::KvDtype;
 
+// The tests that export memory to another process need CUDA IPC: on a GPU in
+// exclusive-process compute mode (or without IPC) they skip, saying why.
+#define KVCM_SKIP_WITHOUT_IPC()                                              \
+  do {                                                                       \
+    const absl::StatusOr<GpuComputeMode> mode = ComputeModeOf(0);            \
+    ASSERT_TRUE(mode.ok()) << mode.status();                                 \
+    const std::string why = IpcExportUnavailableReason(0, *mode, true);      \
+    if (!why.empty()) GTEST_SKIP() << why;                                   \
+  } while (0)
+
 // 16 tokens per block, 4 layers, 8 kv heads of 128 fp16 (2 KiB rows): 256 KiB blocks.
 constexpr KvBlockLayout kLayout{16, 4, 8, 128, KvDtype::kFloat16};
 
@@ -152,6 +162,7 @@ TEST(CudaBlockPoolTest, AnExportedPoolsCapMustHoldAWholeIpcUnit) {
 // (nor the engine's small arrays allocated between them) share a 2 MiB block.
 TEST(CudaBlockPoolTest, TwoExportedRegionsNeverShareAnIpcBlock) {
   KVCM_SKIP_WITHOUT_GPU();
+  KVCM_SKIP_WITHOUT_IPC();
   using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
@@ -252,6 +263,7 @@ TEST(CudaBlockPoolTest, TheIpcExportIsOptional) {
 
 TEST(CudaBlockPoolTest, TheExportNamesTheGpuByUuidAndPciBusId) {
   KVCM_SKIP_WITHOUT_GPU();
+  KVCM_SKIP_WITHOUT_IPC();
   std::unique_ptr<BlockPool> pool = MakeDevicePool(2);
   ASSERT_NE(pool, nullptr);
   const absl::StatusOr<CudaIpcExport> exported = CudaIpcExportOf(pool->storage());
@@ -276,6 +288,7 @@ TEST(CudaBlockPoolTest, TheExportNamesTheGpuByUuidAndPciBusId) {
 
 TEST(CudaBlockPoolTest, ASecondProcessMapsThePoolAndSeesTheBytesAlsoAfterACompaction) {
   KVCM_SKIP_WITHOUT_GPU();
+  KVCM_SKIP_WITHOUT_IPC();
   std::unique_ptr<BlockPool> pool = MakeDevicePool(64);
   ASSERT_NE(pool, nullptr);
   BlockLease lease = *pool->Lease(500);
@@ -306,6 +319,7 @@ TEST(CudaBlockPoolTest, ASecondProcessMapsThePoolAndSeesTheBytesAlsoAfterACompac
 
 TEST(CudaBlockPoolTest, LivesInDeviceMemoryAndExportsAnIpcHandle) {
   KVCM_SKIP_WITHOUT_GPU();
+  KVCM_SKIP_WITHOUT_IPC();
   std::unique_ptr<BlockPool> pool = MakeDevicePool(8, /*rank=*/1);
   ASSERT_NE(pool, nullptr);
   const BlockPoolUsage usage = pool->Usage();
@@ -407,6 +421,7 @@ std::vector<float> RandomRows(std::mt19937_64& rng, int64_t n) {
 // host engine's on the same scores, bit for bit.
 TEST(CudaScoreRegionTest, AWorkerProcessWritesScoresThatTheEngineReadsInPlace) {
   KVCM_SKIP_WITHOUT_GPU();
+  KVCM_SKIP_WITHOUT_IPC();
   constexpr int64_t kLayers = 4;
   absl::StatusOr<std::unique_ptr<KvStorage>> region = NewCudaKvStorage(int64_t{8} << 20, 0);
   ASSERT_TRUE(region.ok()) << region.status();

@@ -216,6 +216,22 @@ def test_a_cuda_pool_on_another_gpu_at_that_bus_id_is_refused(client, monkeypatc
     assert BUS in caught.value.message
 
 
+def test_a_cuda_pool_the_gpu_could_not_export_is_refused_with_the_daemons_reason(
+        client, monkeypatch):
+    memory = ShmAsDeviceMemory()
+    fake = FakeCudart({BUS: 0})
+    fake_cudart.install(monkeypatch, fake, memory)
+    why = "GPU 0 is in exclusive-process compute mode: only kvcached may hold a context"
+    pool = as_cuda_pool(next(p for p in client.describe_kv_pools() if p.rank == 0), memory,
+                        cuda_ipc_handle=b"", export_unavailable=why)
+    with pytest.raises(ValueError, match="rank 0's CUDA KV pool cannot be mapped") as caught:
+        KvPoolMapping(pool)
+    assert why in str(caught.value) and "DenseKvCache" in str(caught.value)
+    assert not fake.log, "nothing was opened"
+    # A host daemon's pools are exported: the field is there and empty.
+    assert all(p.export_unavailable == "" for p in client.describe_kv_pools())
+
+
 def test_k_and_v_on_another_device_than_the_pool_are_refused(client, seq_id):
     with KvPoolMapping.for_rank(client, 0) as mapping:
         sid = seq_id()

@@ -167,6 +167,8 @@ class KvPool:
     device: int                 #: the daemon's CUDA ordinal; match the GPU by the next two
     device_uuid: str = ""       #: cuda: "GPU-..." (nvidia-smi -L, CUDA_VISIBLE_DEVICES)
     device_pci_bus_id: str = ""  #: cuda: "0000:18:00.0"
+    #: cuda: why the pool has no IPC handle (exclusive-process GPU, no CUDA IPC); "" if it has
+    export_unavailable: str = ""
 
     @classmethod
     def from_proto(cls, m: pb.KvPool) -> "KvPool":
@@ -174,7 +176,8 @@ class KvPool:
         return cls(m.rank, backend, m.tokens_per_block, m.layers, m.kv_heads, m.head_dim,
                    dtype_from_proto(m.dtype), m.block_bytes, m.capacity_blocks,
                    m.used_blocks, m.bytes, m.shm_name, m.cuda_ipc_handle, m.device,
-                   m.device_uuid, m.device_pci_bus_id)
+                   m.device_uuid, m.device_pci_bus_id,
+                   getattr(m, "export_unavailable", ""))
 
 
 @dataclass(frozen=True)

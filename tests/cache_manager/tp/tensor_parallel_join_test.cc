@@ -1,5 +1,6 @@
 #include "cache_manager/tp/tensor_parallel_join.h"
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -342,6 +343,46 @@ TEST(TensorParallelJoinTest, AnInvalidPartialSumInDeviceMemoryIsRefusedByName) {
   ASSERT_TRUE(joined.ok()) << joined.status();
   const float* v = static_cast<const float*>(joined->data);
   EXPECT_EQ(std::vector<float>(v, v + 3), (std::vector<float>{0.1f, 0.2f, 0.3f}));
+}
+
+// The emulated device with a stream wait that counts: when the step's regions are let go,
+// the join's queued reads of them must have been waited for.
+int stream_waits = 0;
+absl::Status CountedWait(kernels::StreamHandle stream, const char* what) {
+  ++stream_waits;
+  return kernels::EmulatedDeviceBackend().mem.synchronize(stream, what);
+}
+
+TEST(TensorParallelJoinTest, ResetWaitsForTheDeviceJoinBeforeReleasingItsRegions) {
+  kernels::KernelBackend device = kernels::EmulatedDeviceBackend();
+  device.mem.synchronize = &CountedWait;
+  const std::vector<float> sums = {0.25f, 0.5f, 1.0f};
+  // The waits counted when each region's last pin goes (-1: still held).
+  std::vector<int> waits_at_release(2, -1);
+  for (bool joined_on_device : {true, false}) {
+    SCOPED_TRACE(joined_on_device ? "after JoinOnDevice" : "a step refused before the join");
+    std::fill(waits_at_release.begin(), waits_at_release.end(), -1);
+    TensorParallelJoin join(2, kernels::CpuBackend(), &device, 0);
+    for (int32_t r = 0; r < 2; ++r) {
+      RankReport report = Report(r, 3, sums, 1, 1);
+      report.in_backend = true;
+      report.pin = std::shared_ptr<const int>(new int(r), [&waits_at_release, r](const int* p) {
+        waits_at_release[static_cast<size_t>(r)] = stream_waits;
+        delete p;
+      });
+      ASSERT_TRUE(join.Add(report, Expect(3, 3, true)).ok());
+    }
+    if (joined_on_device) {
+      ASSERT_TRUE(join.JoinOnDevice().ok());
+    }
+    const int before = stream_waits;
+    join.Reset();
+    EXPECT_EQ(waits_at_release, std::vector<int>(2, joined_on_device ? before + 1 : before))
+        << "both regions released by Reset, after one wait exactly when a join was queued";
+    // Nothing queued since: a second Reset does not wait again.
+    join.Reset();
+    EXPECT_EQ(stream_waits, joined_on_device ? before + 1 : before);
+  }
 }
 
 }  // namespace

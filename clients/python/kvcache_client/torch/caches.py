@@ -190,6 +190,10 @@ class KvPoolMapping:
         self.tokens_per_block = pool.tokens_per_block
         self._mmap: Optional[mmap.mmap] = None
         self._ipc: Any = None  # cuda_runtime.IpcMapping of a CUDA pool
+        if pool.backend == "cuda" and not pool.cuda_ipc_handle:
+            why = getattr(pool, "export_unavailable", "") or "the daemon sent no IPC handle"
+            raise ValueError(f"rank {pool.rank}'s CUDA KV pool cannot be mapped by a worker: "
+                             f"{why}; keep K/V in the worker's own tensors (DenseKvCache)")
         if pool.backend == "cuda":
             raw = self._map_device(pool)
         elif pool.backend == "host" and pool.shm_name:
