@@ -443,6 +443,31 @@ def test_a_device_region_with_a_fake_runtime_writes_waits_per_batch_and_closes_i
             region.tensor
 
 
+def test_a_region_can_be_placed_on_a_ranks_gpu(engine_client, monkeypatch):
+    # The rank reaches CreateScoreRegion, and a daemon refuses one outside its world.
+    asked: List[Dict[str, Any]] = []
+    real_create = engine_client.create_score_region
+
+    def recording(byte_size, **options):
+        asked.append(options)
+        return real_create(byte_size, **options)
+
+    monkeypatch.setattr(engine_client, "create_score_region", recording)
+    with engine_client.batch(score_region_bytes=REGION_BYTES, daemon_score_region=True,
+                             score_region_rank=1, rank=1) as batch:
+        assert batch.score_region.region_id
+    with engine_client.batch(score_region_bytes=REGION_BYTES, daemon_score_region=True):
+        pass
+    assert asked == [{"rank": 1}, {}]
+    with pytest.raises(KvCacheError) as caught:
+        engine_client.batch(score_region_bytes=REGION_BYTES, daemon_score_region=True,
+                            score_region_rank=1 << 20)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rank is 1048576" in caught.value.message
+    with pytest.raises(ValueError, match="needs score_region_bytes and daemon_score_region"):
+        engine_client.batch(score_region_bytes=REGION_BYTES, score_region_rank=0)
+
+
 def test_a_device_region_on_another_gpu_is_refused_and_freed(engine_client, monkeypatch):
     fake = FakeCudart({BUS: 0})
     monkeypatch.setattr(cuda_runtime, "runtime", lambda: CudaRuntime(

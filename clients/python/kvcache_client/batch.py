@@ -129,14 +129,16 @@ class SequenceBatch:
     def __init__(self, client: "KvCacheClient", *, rank: int = 0,
                  head_count: Optional[int] = None, timeout: Optional[float] = None,
                  score_region_bytes: Optional[int] = None,
-                 daemon_score_region: bool = False, max_inflight: int = 1) -> None:
+                 daemon_score_region: bool = False, max_inflight: int = 1,
+                 score_region_rank: Optional[int] = None) -> None:
         """``head_count``: query heads this rank sums into each row (default for its
         sequences; required for tensor-parallel ones). ``timeout``: seconds to wait for a
         step's decisions (default: the client's timeout). ``score_region_bytes``: send the
         scores through a shared-memory region of that size (KvCacheClient.stream), which
         the daemon creates with ``daemon_score_region``. ``max_inflight``: steps sent and
         not yet answered, at most (1: each step waits for the previous one's decisions);
-        at most the daemon's --max_inflight_batches. ValueError outside 1..1024."""
+        at most the daemon's --max_inflight_batches. ValueError outside 1..1024.
+        ``score_region_rank``: the GPU of the created region (KvCacheClient.stream)."""
         self._client = client
         self.rank = rank
         self.head_count = head_count
@@ -144,7 +146,8 @@ class SequenceBatch:
                                      timeout=timeout if timeout is not None else client.timeout,
                                      score_region_bytes=score_region_bytes,
                                      daemon_score_region=daemon_score_region,
-                                     max_inflight=max_inflight)
+                                     max_inflight=max_inflight,
+                                     score_region_rank=score_region_rank)
         self._sequences: Dict[str, TrackedSequence] = {}
         # Sequence id -> the claim of the step in flight it is in (see _claim).
         self._in_flight: Dict[str, int] = {}

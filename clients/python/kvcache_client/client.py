@@ -178,21 +178,23 @@ class KvCacheClient:
     def batch(self, *, rank: int = 0, head_count: Optional[int] = None,
               timeout: Optional[float] = None,
               score_region_bytes: Optional[int] = None,
-              daemon_score_region: bool = False, max_inflight: int = 1) -> SequenceBatch:
+              daemon_score_region: bool = False, max_inflight: int = 1,
+              score_region_rank: Optional[int] = None) -> SequenceBatch:
         """A :class:`SequenceBatch` for this worker rank (its own StepStream).
 
         ``score_region_bytes``: send the scores through a shared-memory region of that size
         (the daemon on this node, run with --allow_shm_scores), see :meth:`stream`.
         ``max_inflight``: steps in flight at once (``SequenceBatch.submit_step``), at most
-        the daemon's --max_inflight_batches."""
+        the daemon's --max_inflight_batches. ``score_region_rank``: see :meth:`stream`."""
         return SequenceBatch(self, rank=rank, head_count=head_count, timeout=timeout,
                              score_region_bytes=score_region_bytes,
                              daemon_score_region=daemon_score_region,
-                             max_inflight=max_inflight)
+                             max_inflight=max_inflight, score_region_rank=score_region_rank)
 
     def stream(self, *, rank: int = 0, timeout: Optional[float] = None,
                score_region_bytes: Optional[int] = None,
-               daemon_score_region: bool = False, max_inflight: int = 1) -> StepStream:
+               daemon_score_region: bool = False, max_inflight: int = 1,
+               score_region_rank: Optional[int] = None) -> StepStream:
         """A raw :class:`StepStream` for this rank: explicit step numbers, no tracking.
 
         ``score_region_bytes``: create and register a :class:`ScoreRegion` of that many
@@ -206,9 +208,18 @@ class KvCacheClient:
         tensors' scores are then copied on the GPU: docs/PYTHON.md, "Device score
         regions"). ``max_inflight``:
         batches in flight at once (``StepStream.submit``), each writing its own
-        1/max_inflight of the region; at most the daemon's --max_inflight_batches."""
+        1/max_inflight of the region; at most the daemon's --max_inflight_batches.
+        ``score_region_rank`` (with ``daemon_score_region``): a GPU engine places the region
+        on that tensor-parallel rank's GPU instead of its own (usually this stream's
+        ``rank``, for a rank that writes its partial sums on its own GPU without peer
+        access; docs/GPU.md); a host daemon ignores it. ValueError without
+        ``daemon_score_region``."""
         check_max_inflight(max_inflight)  # before a region is made for nothing
-        region = (ScoreRegion(self, score_region_bytes, from_daemon=daemon_score_region)
+        if score_region_rank is not None and not (score_region_bytes and daemon_score_region):
+            raise ValueError("score_region_rank places a region the daemon creates: it needs "
+                             "score_region_bytes and daemon_score_region=True")
+        region = (ScoreRegion(self, score_region_bytes, from_daemon=daemon_score_region,
+                              rank=score_region_rank)
                   if score_region_bytes else None)
         try:
             return StepStream(self._stub, rank=rank, timeout=timeout, score_region=region,

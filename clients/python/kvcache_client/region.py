@@ -67,9 +67,10 @@ class ScoreRegion:
     """
 
     def __init__(self, client: "KvCacheClient", byte_size: int, *,
-                 from_daemon: bool = False) -> None:
+                 from_daemon: bool = False, rank: Optional[int] = None) -> None:
         """Creates the object (``byte_size`` bytes) and registers it with the daemon, or
-        (``from_daemon``) has the daemon create it and maps it.
+        (``from_daemon``) has the daemon create it, on tensor-parallel rank ``rank``'s GPU
+        when given (CreateScoreRegionRequest.rank), and maps it.
 
         Raises:
           ValueError: ``byte_size`` below 1.
@@ -90,7 +91,7 @@ class ScoreRegion:
         self._event: Any = None   # device memory: the CUDA event each batch waits for
         self._unwaited = False    # device memory: written since the last wait_for_writes
         if from_daemon:
-            self._attach_created(client)
+            self._attach_created(client, rank)
         else:
             self._create_and_register(client)
         self._buf: Optional[memoryview] = self._shm.buf if self._shm is not None else None
@@ -101,9 +102,10 @@ class ScoreRegion:
         self.high_water_bytes = 0  #: the most bytes one batch used
         self.closed = False
 
-    def _attach_created(self, client: "KvCacheClient") -> None:
+    def _attach_created(self, client: "KvCacheClient", rank: Optional[int]) -> None:
         try:
-            created = client.create_score_region(self.byte_size)
+            created = (client.create_score_region(self.byte_size) if rank is None
+                       else client.create_score_region(self.byte_size, rank=rank))
         except KvCacheError as error:
             raise _explained(error, client) from None
         self.region_id = created.region
@@ -150,7 +152,9 @@ class ScoreRegion:
             raise
         self.name = f"cuda-ipc:{created.region}@{created.device_uuid}"
         # Nothing to do when collected unclosed: a tensor over the mapping may outlive this
-        # object, and the mapping goes with the process (the daemon drops idle regions).
+        # object, and the mapping goes with the process. The daemon never drops a device
+        # region for idleness (it cannot see whether the handle is still open): one that is
+        # never closed stays allocated, charged to its limit, until the daemon exits.
         self._finalizer = weakref.finalize(self, lambda: None)
 
     def _create_and_register(self, client: "KvCacheClient") -> None:
