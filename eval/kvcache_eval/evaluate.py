@@ -56,7 +56,7 @@ from kvcache_client.policy import PRESETS  # the one list: cache_manager/policy/
 from kvcache_client.torch import KvPoolMapping
 
 from . import bootstrap, diagnostics, report, tasks
-from .first_step import first_step_gain
+from .first_step import composed_policy, first_step_gain
 from .daemon import REPO_ROOT, Kvcached, pool_flags, scrape
 from .model import load
 from .runner import Outcome, Prefilled, RunConfig, Runner, jaccard, prefill
@@ -194,11 +194,6 @@ def span_pool_supported(client: KvCacheClient) -> bool:
         state = batch.open(sid, 8, budget_tokens=4, policy=policy)
         batch.close_sequence(sid)
     return getattr(state.policy, "span_pool", 0) == 3
-
-
-def composed_policy(preset: str, span: int) -> Any:
-    """``preset``, with the daemon span-pooling its rows over ``span`` positions."""
-    return Policy(preset=preset, span_pool=span) if span > 1 else preset
 
 
 def variant_name(preset: str, variant: str, ratio: float) -> str:
@@ -543,8 +538,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 span = args.span_pool if span_pool_supported(client) else 0
                 print(first_step_gain(runner, model, args.seed, args.per_task, lengths,
-                                      args.ablation_ratio, args.window, span,
-                                      composed_policy).describe(), flush=True)
+                                      args.ablation_ratio, args.window, span).describe(),
+                      flush=True)
             finally:
                 runner.close()
             return 0

@@ -8,6 +8,8 @@ full comparison, with accuracy, is docs/EVALUATION.md's section of the same name
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
+from kvcache_client import Policy
+
 from . import tasks
 from .bootstrap import Interval, paired_difference
 from .runner import RunConfig, Runner, prefill
@@ -35,13 +37,18 @@ class FirstStepGain:
                 f"[{100 * self.gain.low:+.1f}, {100 * self.gain.high:+.1f}])")
 
 
+def composed_policy(preset: str, span: int) -> Any:
+    """``preset``, with the daemon span-pooling its rows over ``span`` positions."""
+    return Policy(preset=preset, span_pool=span) if span > 1 else preset
+
+
 def first_step_gain(runner: Runner, model: Any, seed: int, per_task: int,
-                    lengths: Sequence[int], ratio: float, window: int, span: int,
-                    policy_of: Any) -> FirstStepGain:
+                    lengths: Sequence[int], ratio: float, window: int,
+                    span: int) -> FirstStepGain:
     """Runs step 1 of every sample of ``tasks.eval_set(seed, per_task, lengths)`` plain and
-    composed (``policy_of(preset, span)`` makes the span-pooling policy) and pairs them."""
+    composed (window ``window``, span pooling ``span``) and pairs them."""
     plain = RunConfig(f"inertia@{ratio}", "inertia", ratio, pooled=False, first_step_only=True)
-    composed = RunConfig(f"inertia+composed@{ratio}", policy_of("inertia", span), ratio,
+    composed = RunConfig(f"inertia+composed@{ratio}", composed_policy("inertia", span), ratio,
                          pooled=False, first_step_only=True, window=window)
     kept: Dict[str, List[float]] = {plain.name: [], composed.name: []}
     for index, sample in enumerate(tasks.eval_set(seed, per_task, lengths)):

@@ -64,8 +64,7 @@ def kvcached(tmp_path_factory):
         pytest.skip(reason)
     daemon = Daemon(tmp_path_factory.mktemp("kvcached")).start()
     yield daemon
-    status = daemon.terminate()
-    assert status == 0, f"kvcached exited with {status} after SIGTERM\n{daemon.log()}"
+    daemon.stop()
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +76,7 @@ def shm_kvcached(tmp_path_factory):
         pytest.skip(reason)
     daemon = Daemon(tmp_path_factory.mktemp("kvcached-shm"), "--allow_shm_scores").start()
     yield daemon
-    status = daemon.terminate()
-    assert status == 0, f"kvcached exited with {status} after SIGTERM\n{daemon.log()}"
+    daemon.stop()
 
 
 @pytest.fixture

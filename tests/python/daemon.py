@@ -105,6 +105,11 @@ class Daemon:
             raise RuntimeError(f"kvcached did not exit within {timeout} s of SIGTERM\n"
                                f"{self.log()}") from None
 
+    def stop(self) -> None:
+        """terminate(), asserting the clean exit (status 0) a drained daemon owes."""
+        status = self.terminate()
+        assert status == 0, f"kvcached exited with {status} after SIGTERM\n{self.log()}"
+
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()

@@ -58,18 +58,13 @@ def _start(tmp_path_factory, tag: str, *flags: str) -> Daemon:
     return Daemon(tmp_path_factory.mktemp(f"kvcached-{tag}"), *flags).start()
 
 
-def _stop(daemon: Daemon) -> None:
-    status = daemon.terminate()
-    assert status == 0, f"kvcached exited with {status} after SIGTERM\n{daemon.log()}"
-
-
 @pytest.fixture(scope="module", params=["emulated", "cpu"])
 def engine_daemon(request, tmp_path_factory):
     """A daemon taking score regions, with the emulated device engine or the CPU engine."""
     daemon = _start(tmp_path_factory, request.param, "--allow_shm_scores",
                     f"--engine_backend={request.param}")
     yield daemon
-    _stop(daemon)
+    daemon.stop()
 
 
 @pytest.fixture
@@ -290,7 +285,7 @@ def test_a_handle_is_opened_on_the_gpu_found_by_bus_id_and_uuid():
     fake.current = 1
     cuda = CudaRuntime(fake, uuid_of=lambda device: UUID[4:].upper() if device == 2 else None)
     handle = b"\0\1" + bytes(range(2, 62)) + b"\0\0"  # NULs inside and at the end survive
-    mapping = cuda_runtime.open_created_region(fake_created(handle, bytes=8192), cuda)
+    mapping = cuda_runtime.open_ipc_export(fake_created(handle, bytes=8192), cuda)
     assert (mapping.device, mapping.pointer, mapping.byte_size) == (2, 0x7F0000000000, 8192)
     assert fake.log == [("by_bus_id", BUS), ("set_device", 2), ("open", handle, 1, 2),
                         ("set_device", 1)]  # opened on ordinal 2, the current one restored
@@ -309,7 +304,7 @@ def test_a_handle_is_opened_on_the_gpu_found_by_bus_id_and_uuid():
 def test_a_gpu_already_current_is_not_switched_and_an_unknown_uuid_is_not_refused():
     fake = FakeCudart({BUS: 0})
     cuda = CudaRuntime(fake, uuid_of=lambda device: None)  # torch without .uuid
-    mapping = cuda_runtime.open_created_region(fake_created(), cuda)
+    mapping = cuda_runtime.open_ipc_export(fake_created(), cuda)
     assert mapping.device == 0
     assert [c[0] for c in fake.log] == ["by_bus_id", "open"]
 
@@ -319,7 +314,7 @@ def test_another_gpu_at_that_bus_id_is_refused_naming_both_uuids():
     fake = FakeCudart({BUS: 1})
     cuda = CudaRuntime(fake, uuid_of=lambda device: other)
     with pytest.raises(KvCacheError) as caught:
-        cuda_runtime.open_created_region(fake_created(), cuda)
+        cuda_runtime.open_ipc_export(fake_created(), cuda)
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert UUID.lower() in caught.value.message.lower() and other in caught.value.message
     assert not [c for c in fake.log if c[0] == "open"]
@@ -329,12 +324,12 @@ def test_a_bus_id_this_process_cannot_see_is_a_failed_precondition():
     fake = FakeCudart({"0000:01:00.0": 0})
     cuda = CudaRuntime(fake, uuid_of=lambda device: UUID)
     with pytest.raises(KvCacheError) as caught:
-        cuda_runtime.open_created_region(fake_created(), cuda)
+        cuda_runtime.open_ipc_export(fake_created(), cuda)
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert BUS in caught.value.message and "invalid device ordinal" in caught.value.message
     with pytest.raises(KvCacheError) as caught:
-        cuda_runtime.open_created_region(fake_created(device_pci_bus_id="", device_uuid=""),
-                                         cuda)
+        cuda_runtime.open_ipc_export(fake_created(device_pci_bus_id="", device_uuid=""),
+                                     cuda)
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -343,7 +338,7 @@ def test_a_failed_open_is_internal_with_the_cuda_message_and_restores_the_device
     fake.current, fake.open_error = 1, 400
     cuda = CudaRuntime(fake, uuid_of=lambda device: UUID)
     with pytest.raises(KvCacheError) as caught:
-        cuda_runtime.open_created_region(fake_created(), cuda)
+        cuda_runtime.open_ipc_export(fake_created(), cuda)
     assert caught.value.code == grpc.StatusCode.INTERNAL
     assert "invalid resource handle" in caught.value.message
     assert "cudaIpcOpenMemHandle" in caught.value.message
@@ -529,7 +524,7 @@ def test_a_cuda_engine_region_is_written_on_the_gpu(tmp_path_factory, seq_id):
                     assert region.tensor[:len(packed)].cpu().numpy().tobytes() == packed
                 assert region.region_reports == STEPS
     finally:
-        _stop(daemon)
+        daemon.stop()
 
 
 @needs_torch

@@ -17,7 +17,7 @@ from kvcache_client.torch import DenseKvCache, ObservationWindow, StepScores  # 
 from kvcache_eval import tasks  # noqa: E402
 from kvcache_eval.daemon import pool_flags  # noqa: E402
 from kvcache_eval.evaluate import (DEFAULT_WEIGHTS, SPAN_POOL, WINDOW,  # noqa: E402
-                                   composed_policy, span_pool_supported)
+                                   span_pool_supported)
 from kvcache_eval.first_step import first_step_gain  # noqa: E402
 from kvcache_eval.model import load  # noqa: E402
 from kvcache_eval.runner import RunConfig, Runner, prefill  # noqa: E402
@@ -53,8 +53,7 @@ def runner(model, tmp_path_factory):
 def test_the_composed_first_step_keeps_more_evidence_at_ninety_percent(model, runner):
     # Span pooling where the daemon does it (else the window alone, which must still win).
     span = SPAN_POOL if span_pool_supported(runner.client) else 0
-    result = first_step_gain(runner, model, SEED, PER_TASK, LENGTHS, 0.9, WINDOW, span,
-                             composed_policy)
+    result = first_step_gain(runner, model, SEED, PER_TASK, LENGTHS, 0.9, WINDOW, span)
     assert len(result.plain) == len(result.composed) == PER_TASK * len(tasks.TASKS)
     assert result.gain.low > 0, (span, result.gain, result.plain, result.composed)
     assert "evidence kept after step 1 at rho = 0.9" in result.describe()

@@ -53,12 +53,7 @@ def pool_daemon(request, tmp_path_factory):
                     *_pool_flags("host", 1 << 20, request.param)).start()
     daemon.dtype = request.param
     yield daemon
-    stop(daemon)
-
-
-def stop(daemon: Daemon) -> None:
-    status = daemon.terminate()
-    assert status == 0, f"kvcached exited with {status} after SIGTERM\n{daemon.log()}"
+    daemon.stop()
 
 
 @pytest.fixture
@@ -269,4 +264,4 @@ def test_a_cuda_pool_of_a_cuda_daemon_decodes_like_dense_caches_on_the_gpu(tmp_p
                                              device=mapping.device)
                 assert moves > 0
     finally:
-        stop(daemon)
+        daemon.stop()

@@ -36,7 +36,7 @@ import grpc
 
 from .errors import KvCacheError
 
-__all__ = ["CudaRuntime", "IpcMapping", "open_created_region", "open_ipc_export", "runtime"]
+__all__ = ["CudaRuntime", "IpcMapping", "open_ipc_export", "runtime"]
 
 #: cudaIpcMemLazyEnablePeerAccess: the handle may be opened on a GPU other than the
 #: exporter's (peer access is then enabled for it).
@@ -226,11 +226,6 @@ def open_ipc_export(exported: Any, cuda: Optional[CudaRuntime] = None) -> IpcMap
     device = cuda.find_device(exported.device_uuid, exported.device_pci_bus_id)
     pointer = cuda.ipc_open(bytes(exported.cuda_ipc_handle), device)
     return IpcMapping(cuda, pointer, int(exported.bytes), device)
-
-
-def open_created_region(created: Any, cuda: Optional[CudaRuntime] = None) -> IpcMapping:
-    """Maps a ``CreatedScoreRegion`` of backend "cuda" on this process's ordinal of its GPU."""
-    return open_ipc_export(created, cuda)
 
 
 # -- loading --------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ class ScoreRegion:
                 f"memory of GPU {created.device_uuid}; writing there takes torch with CUDA, "
                 "which this process cannot import") from None
         try:
-            self._mapping = cuda_runtime.open_created_region(created)
+            self._mapping = cuda_runtime.open_ipc_export(created)
             self._tensor = self._mapping.as_tensor()[:self.byte_size]
         except BaseException:
             self._tensor = None
