@@ -61,13 +61,24 @@ enum class CopyKind : uint8_t {
 
 // How the engine holds arrays in a backend's memory. Host backends implement them with
 // the C library; CUDA with the runtime, on the device made current by set_device.
+//
+// Nothing here may synchronize the device on the step path, where a sequence's arrays
+// grow: device memory is stream-ordered (CUDA: cudaMallocAsync from the device's memory
+// pool, which keeps freed memory for reuse, so growth neither reaches the driver nor
+// waits for other threads' work or an NCCL group), and staging comes from a cache of
+// pinned blocks (kernels/block_cache.h).
 struct BackendMemory {
   // Makes `device` current on the calling thread (a no-op on the host).
   absl::Status (*set_device)(int device);
-  // `bytes` of the backend's memory on the current device (at least 256-byte aligned).
-  absl::Status (*allocate)(size_t bytes, void** ptr);
-  void (*release)(void* ptr);  // nullptr is ignored
-  // Host memory that copies to and from the backend fastest (pinned on CUDA).
+  // `bytes` of the backend's memory on the current device (at least 256-byte aligned),
+  // ordered on `stream`: work enqueued on `stream` after the call may use it; work on
+  // another stream only once `stream` was synchronized.
+  absl::Status (*allocate)(size_t bytes, StreamHandle stream, void** ptr);
+  // Frees memory of `allocate` once the work enqueued on `stream` before the call has run
+  // (work on other streams that uses it must have been waited for). nullptr is ignored.
+  void (*release)(void* ptr, StreamHandle stream);
+  // Host memory that copies to and from the backend fastest (pinned on CUDA; a released
+  // block is kept for the next request of its size class).
   absl::Status (*allocate_staging)(size_t bytes, void** ptr);
   void (*release_staging)(void* ptr);  // nullptr is ignored
   // Enqueues a copy on `stream`. A pageable host source may be reused once the call
@@ -75,8 +86,9 @@ struct BackendMemory {
   // until `synchronize`.
   absl::Status (*copy)(void* dst, const void* src, size_t bytes, CopyKind kind,
                        StreamHandle stream);
-  // The engine's stream of `device`, made on first use and kept for the program (one per
-  // device, shared by every sequence on it). nullptr on the host.
+  // The calling thread's stream of `device`: the one of its lane (kernels/stream_lanes.h),
+  // made on first use and kept for the program. Work that must be ordered stays on the
+  // stream it began on, whichever thread continues it. nullptr on the host.
   absl::Status (*device_stream)(int device, StreamHandle* stream);
   // Waits for everything enqueued on `stream`; reports launch and execution failures of
   // the kernels enqueued since the last call on this thread (`what` names the step).
@@ -130,8 +142,11 @@ const KernelBackend& CpuBackend();
 // (MemorySpace::kDevice, plain host allocations behind it): the engine then runs its
 // device-resident path (explicit copies in and out, double buffers, staged decisions) on
 // the CPU. For tests of that path on machines without a GPU; its results must equal
-// CpuBackend()'s.
+// CpuBackend()'s. Its streams are handles that nothing dereferences, one per lane
+// (EmulatedStream), so that tests can see which stream work was given to.
 const KernelBackend& EmulatedDeviceBackend();
+// The emulated device's stream of `lane` (kernels/stream_lanes.h).
+StreamHandle EmulatedStream(int lane);
 
 }  // namespace kvcm::kernels
 

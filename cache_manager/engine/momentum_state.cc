@@ -37,10 +37,12 @@ int64_t BytesPerToken(const kernels::KernelBackend& backend) {
   return InHostMemory(backend) ? kEveryBackend : kEveryBackend + kDeviceOnly;
 }
 
+// Stream-ordered on `stream`, the state's: usable by the work the state enqueues there.
 template <typename T>
-absl::Status Allocate(const kernels::BackendMemory& mem, int64_t count, T** ptr) {
+absl::Status Allocate(const kernels::BackendMemory& mem, kernels::StreamHandle stream,
+                      int64_t count, T** ptr) {
   void* raw = nullptr;
-  absl::Status status = mem.allocate(static_cast<size_t>(count) * sizeof(T), &raw);
+  absl::Status status = mem.allocate(static_cast<size_t>(count) * sizeof(T), stream, &raw);
   *ptr = static_cast<T*>(raw);
   return status;
 }
@@ -79,11 +81,12 @@ PrefillCache MakePrefillCache(int64_t prefill_len, bool momentum_is_position) {
 
 }  // namespace
 
-void MomentumState::Arrays::Release(const kernels::BackendMemory& mem) {
+void MomentumState::Arrays::Release(const kernels::BackendMemory& mem,
+                                    kernels::StreamHandle stream) {
   for (void* p : {static_cast<void*>(momentum), static_cast<void*>(scratch),
                   static_cast<void*>(positions), static_cast<void*>(selected),
                   static_cast<void*>(select_keys), static_cast<void*>(gathered)}) {
-    mem.release(p);
+    mem.release(p, stream);
   }
   mem.release_staging(staged_indices);
   mem.release_staging(staged_positions);
@@ -135,7 +138,8 @@ void MomentumState::Init(std::span<const int64_t> positions, std::span<const flo
   previous_newest_position_ = newest_position_;
   const kernels::BackendMemory& mem = backend_->mem;
   if (!Check(mem.set_device(device_)) || !Check(mem.device_stream(device_, &stream_)) ||
-      !Check(Allocate(mem, 1, &invalid_)) || !Check(Allocate(mem, 1, &mean_))) {
+      !Check(Allocate(mem, stream_, 1, &invalid_)) ||
+      !Check(Allocate(mem, stream_, 1, &mean_))) {
     return;
   }
   if (!InHostMemory(*backend_) && (!Check(AllocateStaging(mem, 1, &staged_invalid_)) ||
@@ -158,10 +162,10 @@ MomentumState::~MomentumState() {
   const kernels::BackendMemory& mem = backend_->mem;
   (void)mem.set_device(device_);
   (void)mem.synchronize(stream_, "releasing a sequence");
-  arrays_.Release(mem);
+  arrays_.Release(mem, stream_);
   for (void* p : {static_cast<void*>(invalid_), static_cast<void*>(mean_), scores_,
                   static_cast<void*>(pooled_)}) {
-    mem.release(p);
+    mem.release(p, stream_);
   }
   mem.release_staging(staged_invalid_);
   mem.release_staging(staged_mean_);
@@ -176,13 +180,13 @@ void MomentumState::Reserve(int64_t capacity) {
   const kernels::BackendMemory& mem = backend_->mem;
   const bool device_arrays = !InHostMemory(*backend_);
   Arrays next;  // takes the old arrays on success, the new ones on failure
-  absl::Status status = Allocate(mem, capacity, &next.momentum);
-  if (status.ok()) status = Allocate(mem, capacity, &next.scratch);
-  if (status.ok()) status = Allocate(mem, capacity, &next.positions);
-  if (status.ok()) status = Allocate(mem, capacity, &next.selected);
+  absl::Status status = Allocate(mem, stream_, capacity, &next.momentum);
+  if (status.ok()) status = Allocate(mem, stream_, capacity, &next.scratch);
+  if (status.ok()) status = Allocate(mem, stream_, capacity, &next.positions);
+  if (status.ok()) status = Allocate(mem, stream_, capacity, &next.selected);
   if (device_arrays) {
-    if (status.ok()) status = Allocate(mem, capacity, &next.select_keys);
-    if (status.ok()) status = Allocate(mem, capacity, &next.gathered);
+    if (status.ok()) status = Allocate(mem, stream_, capacity, &next.select_keys);
+    if (status.ok()) status = Allocate(mem, stream_, capacity, &next.gathered);
     if (status.ok()) status = AllocateStaging(mem, capacity, &next.staged_indices);
     if (status.ok()) status = AllocateStaging(mem, capacity, &next.staged_positions);
   }
@@ -197,11 +201,11 @@ void MomentumState::Reserve(int64_t capacity) {
   }
   if (status.ok()) status = mem.synchronize(stream_, "resizing a sequence's arrays");
   if (!Check(status)) {
-    next.Release(mem);
+    next.Release(mem, stream_);
     return;
   }
   std::swap(arrays_, next);
-  next.Release(mem);
+  next.Release(mem, stream_);
   const auto n = static_cast<size_t>(capacity);
   if (index_scratch_.size() > n) index_scratch_ = std::vector<uint64_t>();  // shrinking
   index_scratch_.resize(n);
@@ -246,10 +250,10 @@ void MomentumState::ShrinkTo(int64_t budget) {
     return;
   }
   Reserve(wanted);
-  backend_->mem.release(scores_);  // sized for the first step's scores
+  backend_->mem.release(scores_, stream_);  // sized for the first step's scores
   scores_ = nullptr;
   score_bytes_ = 0;
-  backend_->mem.release(pooled_);  // likewise
+  backend_->mem.release(pooled_, stream_);  // likewise
   pooled_ = nullptr;
   pooled_bytes_ = 0;
 }
@@ -303,10 +307,10 @@ const void* MomentumState::ScoresInBackend(const kernels::ScoreMatrix& scores,
   const kernels::BackendMemory& mem = backend_->mem;
   const size_t bytes = ScoreSpanBytes(scores);
   if (bytes > score_bytes_) {
-    mem.release(scores_);
+    mem.release(scores_, stream_);  // after the queued work that reads it
     scores_ = nullptr;
     score_bytes_ = 0;
-    if (!Check(mem.allocate(bytes, &scores_))) return nullptr;
+    if (!Check(mem.allocate(bytes, stream_, &scores_))) return nullptr;
     score_bytes_ = bytes;
   }
   if (!Check(mem.copy(scores_, scores.data, bytes, CopyKind::kHostToBackend, stream_))) {
@@ -320,10 +324,11 @@ kernels::ScoreMatrix MomentumState::PooledScores(const kernels::ScoreMatrix& sco
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(scores.layers, 0)) *
                        static_cast<size_t>(std::max<int64_t>(scores.tokens, 0)) * sizeof(float);
   if (bytes > pooled_bytes_) {
-    backend_->mem.release(pooled_);
+    backend_->mem.release(pooled_, stream_);  // after the queued work that reads it
     pooled_ = nullptr;
     pooled_bytes_ = 0;
-    if (!Check(Allocate(backend_->mem, static_cast<int64_t>(bytes / sizeof(float)), &pooled_))) {
+    if (!Check(Allocate(backend_->mem, stream_, static_cast<int64_t>(bytes / sizeof(float)),
+                        &pooled_))) {
       return kernels::ScoreMatrix{};
     }
     pooled_bytes_ = bytes;

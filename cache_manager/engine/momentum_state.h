@@ -5,7 +5,9 @@
 // One implementation for every backend: the arrays live in the memory of the kernel
 // backend the state was made with (kernels/backend.h; the CPU reference by default, whose
 // memory is host memory), are allocated with its `mem` table, and every step runs its
-// kernels on its stream of `device`. A scoring step reads the scores in the backend's
+// kernels on one stream of `device` (stream(): the making thread's), where the arrays are
+// also allocated and freed (stream-ordered: growing them on a step waits for no other
+// work). A scoring step reads the scores in the backend's
 // memory (uploading host scores to a device first; ScoreSpace), updates into a second
 // buffer that becomes the momentum only when every score was valid (double buffer: a
 // rejected step leaves the state untouched), and only the step's evicted indices and
@@ -139,6 +141,11 @@ class MomentumState {
   const kernels::KernelBackend& backend() const { return *backend_; }
   // The device of a device backend (0 on the host).
   int device() const;
+  // The stream every operation of this state enqueues on: the device stream of the thread
+  // that made it (kernels/stream_lanes.h), kept for the state's life whichever thread
+  // steps it, so that its queued work stays in order. Work that reads or writes the
+  // state's arrays (a tensor-parallel join's result) goes here too. nullptr on the host.
+  kernels::StreamHandle stream() const { return stream_; }
   // OK, or the sticky failure of a device backend.
   const absl::Status& status() const { return status_; }
 
@@ -155,7 +162,7 @@ class MomentumState {
     int64_t* staged_indices = nullptr;    // host staging (device backends)
     int64_t* staged_positions = nullptr;  // host staging (device backends)
 
-    void Release(const kernels::BackendMemory& mem);
+    void Release(const kernels::BackendMemory& mem, kernels::StreamHandle stream);
   };
 
   // Both constructors: holds `positions` and `momentum`, with room for one more token.

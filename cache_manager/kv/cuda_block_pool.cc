@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -18,6 +19,14 @@ namespace {
 using kernels::cuda::CudaStatus;
 using kernels::cuda::ScopedDevice;
 
+// Frees what MakeCudaKvStorage's cudaMalloc made (it synchronizes the device: outside
+// any NCCL group). nullptr is ignored.
+void FreeExportable(void* data) {
+  if (data == nullptr) return;
+  std::lock_guard<std::mutex> no_group(kernels::cuda::SynchronizingCallMutex());
+  cudaFree(data);
+}
+
 class CudaKvStorage final : public KvStorage {
  public:
   // Takes ownership of `data` and `stream`, both of `device`.
@@ -29,7 +38,7 @@ class CudaKvStorage final : public KvStorage {
   ~CudaKvStorage() override {
     ScopedDevice on_device(device_);
     cudaStreamDestroy(stream_);
-    cudaFree(data_);
+    FreeExportable(data_);
   }
 
   MemorySpace space() const override { return MemorySpace::kDevice; }
@@ -169,8 +178,14 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int d
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
                              absl::StrCat(what, "cudaStreamCreate")));
   void* data = nullptr;
-  absl::Status status = CudaStatus(cudaMalloc(&data, static_cast<size_t>(bytes)),
-                                   absl::StrCat(what, "cudaMalloc of ", bytes, " bytes"));
+  absl::Status status;
+  {
+    // Exported memory cannot come from a stream-ordered pool: the synchronous allocator,
+    // outside any NCCL group.
+    std::lock_guard<std::mutex> no_group(kernels::cuda::SynchronizingCallMutex());
+    status = CudaStatus(cudaMalloc(&data, static_cast<size_t>(bytes)),
+                        absl::StrCat(what, "cudaMalloc of ", bytes, " bytes"));
+  }
   // The fill runs on the storage's own stream (which does not wait for the legacy default
   // stream) and is complete before anyone, here or in a worker, can see the memory.
   if (status.ok()) {
@@ -207,7 +222,7 @@ absl::StatusOr<std::unique_ptr<KvStorage>> NewCudaKvStorage(int64_t bytes, int d
     }
   }
   if (!status.ok()) {
-    if (data != nullptr) cudaFree(data);
+    FreeExportable(data);
     cudaStreamDestroy(stream);
     return status;
   }

@@ -46,9 +46,9 @@ SequenceSlot::SequenceSlot(std::unique_ptr<Sequence> sequence, int32_t tp_world_
       tenant_(std::move(tenant)),
       limits_(limits),
       sequence_(std::move(sequence)),
-      // Partial sums in the sequence's device memory are joined there.
+      // Partial sums in the sequence's device memory are joined there, on its stream.
       join_(tp_world_size, kernels::CpuBackend(), &sequence_->state().backend(),
-            sequence_->state().device(), limits.cross_device),
+            sequence_->state().device(), limits.cross_device, sequence_->state().stream()),
       kv_(std::move(kv)),
       events_(MakeEvents(events, *sequence_, tp_world_size, kv_, tenant_)),
       memory_bytes_(charged_bytes),

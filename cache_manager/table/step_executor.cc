@@ -5,6 +5,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/check.h"
+#include "kernels/stream_lanes.h"
 
 namespace kvcm {
 
@@ -67,6 +68,8 @@ int64_t StepExecutor::QueuedTasks() const {
 }
 
 void StepExecutor::Run(int32_t index) {
+  // A device stream of this thread's own: its steps never wait behind another thread's.
+  kernels::SetThreadStreamLane(kernels::EngineThreadStreamLane(index));
   Shard& shard = *shards_[static_cast<size_t>(index)];
   std::vector<Task> batch;
   while (true) {

@@ -32,8 +32,8 @@ struct NcclCrossDeviceJoiner::Clique {
     const kernels::BackendMemory& mem = kernels::cuda::CudaBackend().mem;
     for (size_t r = 0; r < streams.size(); ++r) {
       if (!mem.set_device(comm->device(static_cast<int32_t>(r))).ok()) continue;
-      mem.release(staging[r]);
-      mem.release(gathered[r]);
+      mem.release(staging[r], streams[r]);  // after the joins queued there
+      mem.release(gathered[r], streams[r]);
       if (done[r] != nullptr) cudaEventDestroy(done[r]);
       if (streams[r] != nullptr) cudaStreamDestroy(streams[r]);
     }
@@ -62,14 +62,16 @@ struct NcclCrossDeviceJoiner::Clique {
     return absl::OkStatus();
   }
 
-  // `*buffer` of at least `bytes` on the current device.
-  static absl::Status Ensure(size_t bytes, void** buffer, size_t* capacity) {
+  // `*buffer` of at least `bytes` on the current device, ordered on `stream` (the rank's,
+  // which uses it).
+  static absl::Status Ensure(size_t bytes, cudaStream_t stream, void** buffer,
+                             size_t* capacity) {
     if (bytes <= *capacity) return absl::OkStatus();
     const kernels::BackendMemory& mem = kernels::cuda::CudaBackend().mem;
-    mem.release(*buffer);
+    mem.release(*buffer, stream);
     *buffer = nullptr;
     *capacity = 0;
-    RETURN_IF_ERROR(mem.allocate(bytes, buffer));
+    RETURN_IF_ERROR(mem.allocate(bytes, stream, buffer));
     *capacity = bytes;
     return absl::OkStatus();
   }
@@ -120,13 +122,13 @@ absl::Status NcclCrossDeviceJoiner::Join(std::span<const kernels::ScoreMatrix> p
     if (!packs && r != out_rank) continue;
     RETURN_IF_ERROR(mem.set_device(key[r]));
     if (packs) {
-      RETURN_IF_ERROR(Clique::Ensure(n * kernels::ScoreDtypeSize(p.dtype), &clique->staging[r],
-                                     &clique->staging_bytes[r]));
+      RETURN_IF_ERROR(Clique::Ensure(n * kernels::ScoreDtypeSize(p.dtype), clique->streams[r],
+                                     &clique->staging[r], &clique->staging_bytes[r]));
       buffers[r].staging = clique->staging[r];
     }
     if (r == out_rank && key.size() > 1) {
-      RETURN_IF_ERROR(Clique::Ensure(key.size() * n * sizeof(float), &clique->gathered[r],
-                                     &clique->gathered_bytes[r]));
+      RETURN_IF_ERROR(Clique::Ensure(key.size() * n * sizeof(float), clique->streams[r],
+                                     &clique->gathered[r], &clique->gathered_bytes[r]));
       root.gathered = clique->gathered[r];
     }
   }

@@ -14,7 +14,8 @@ namespace kvcm {
 TensorParallelJoin::TensorParallelJoin(int32_t world_size,
                                        const kernels::KernelBackend& backend,
                                        const kernels::KernelBackend* device_backend, int device,
-                                       CrossDeviceJoiner* cross_device)
+                                       CrossDeviceJoiner* cross_device,
+                                       kernels::StreamHandle stream)
     : world_size_(world_size),
       backend_(&backend),
       device_backend_(device_backend != nullptr &&
@@ -23,6 +24,7 @@ TensorParallelJoin::TensorParallelJoin(int32_t world_size,
                           : nullptr),
       device_(device),
       cross_device_(cross_device),
+      stream_(stream),
       slots_(static_cast<size_t>(world_size)) {
   KVCM_CHECK(world_size >= 1);
   KVCM_CHECK(backend.memory == kernels::MemorySpace::kHost);
@@ -34,24 +36,34 @@ TensorParallelJoin::~TensorParallelJoin() {
   if (!mem.set_device(device_).ok()) return;  // the device is gone; so is its memory
   // Queued reads of the buffers and the pinned regions end before either goes.
   if (device_work_queued_) (void)mem.synchronize(stream_, "destroying a tensor-parallel join");
-  for (Slot& slot : slots_) mem.release(slot.device_copy);
-  mem.release(device_joined_);
+  for (Slot& slot : slots_) mem.release(slot.device_copy, stream_);
+  mem.release(device_joined_, stream_);
   mem.release_staging(staged_invalid_);
+  // Each counter's last use was waited for; it goes on the stream it was made on (the
+  // sequence's for its own device, this thread's elsewhere: any stream there would do).
   for (size_t d = 0; d < device_invalid_.size(); ++d) {
-    if (device_invalid_[d] != nullptr && mem.set_device(static_cast<int>(d)).ok()) {
-      mem.release(device_invalid_[d]);
+    const int device = static_cast<int>(d);
+    kernels::StreamHandle stream = device == device_ ? stream_ : nullptr;
+    if (device_invalid_[d] != nullptr && mem.set_device(device).ok() &&
+        (stream != nullptr || mem.device_stream(device, &stream).ok())) {
+      mem.release(device_invalid_[d], stream);
     }
   }
+}
+
+absl::Status TensorParallelJoin::EnsureStream() {
+  if (stream_ != nullptr) return absl::OkStatus();
+  return device_backend_->mem.device_stream(device_, &stream_);
 }
 
 absl::Status TensorParallelJoin::EnsureDeviceBuffer(size_t bytes, void** buffer,
                                                     size_t* capacity) {
   if (bytes <= *capacity) return absl::OkStatus();
   const kernels::BackendMemory& mem = device_backend_->mem;
-  mem.release(*buffer);
+  mem.release(*buffer, stream_);  // after the earlier joins queued there
   *buffer = nullptr;
   *capacity = 0;
-  RETURN_IF_ERROR(mem.allocate(bytes, buffer));
+  RETURN_IF_ERROR(mem.allocate(bytes, stream_, buffer));
   *capacity = bytes;
   return absl::OkStatus();
 }
@@ -61,8 +73,15 @@ absl::StatusOr<int64_t> TensorParallelJoin::CountInvalidOnDevice(const kernels::
   if (device < 0) return absl::InvalidArgumentError(absl::StrCat("device ", device));
   const kernels::BackendMemory& mem = device_backend_->mem;
   RETURN_IF_ERROR(mem.set_device(device));
+  // The sequence's stream on its own device; another device's, this thread's there. The
+  // counting is waited for below, whichever it is.
   kernels::StreamHandle stream = nullptr;
-  RETURN_IF_ERROR(mem.device_stream(device, &stream));
+  if (device == device_) {
+    RETURN_IF_ERROR(EnsureStream());
+    stream = stream_;
+  } else {
+    RETURN_IF_ERROR(mem.device_stream(device, &stream));
+  }
   // A counter in each device's own memory (no peer access needed).
   if (static_cast<size_t>(device) >= device_invalid_.size()) {
     device_invalid_.resize(static_cast<size_t>(device) + 1, nullptr);
@@ -70,7 +89,7 @@ absl::StatusOr<int64_t> TensorParallelJoin::CountInvalidOnDevice(const kernels::
   int64_t*& counter = device_invalid_[static_cast<size_t>(device)];
   if (counter == nullptr) {
     void* d = nullptr;
-    RETURN_IF_ERROR(mem.allocate(sizeof(int64_t), &d));
+    RETURN_IF_ERROR(mem.allocate(sizeof(int64_t), stream, &d));
     counter = static_cast<int64_t*>(d);
   }
   if (staged_invalid_ == nullptr) {
@@ -213,7 +232,7 @@ absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
   KVCM_CHECK(complete() && any_on_device_ && device_backend_ != nullptr);
   const kernels::BackendMemory& mem = device_backend_->mem;
   RETURN_IF_ERROR(mem.set_device(device_));
-  if (stream_ == nullptr) RETURN_IF_ERROR(mem.device_stream(device_, &stream_));
+  RETURN_IF_ERROR(EnsureStream());
   // From here work may be queued that reads the reports' regions: Reset waits for it.
   device_work_queued_ = true;
   views_.clear();
@@ -236,6 +255,9 @@ absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
       views_.push_back(slot.view);
       devices_.push_back(slot.device);
     }
+    // The joiner writes the result on streams of its own, and the result's memory is
+    // ordered on stream_ (where it may just have been allocated): stream_ runs dry first.
+    RETURN_IF_ERROR(mem.synchronize(stream_, "allocating a joined step's scores"));
     RETURN_IF_ERROR(cross_device_->Join(views_, devices_, total_heads, device_, device_joined_));
     return result;
   }

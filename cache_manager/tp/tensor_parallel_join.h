@@ -96,11 +96,15 @@ class TensorParallelJoin {
   // the device backend (memory kDevice) of the sequence, on `device`, whose memory
   // in_backend reports are in; without it in_backend reports are host memory.
   // `cross_device` (may be null: such steps are gathered onto `device` first) joins
-  // partial sums on one device per rank.
+  // partial sums on one device per rank. `stream`: the sequence's stream of `device`
+  // (MomentumState::stream()), where the join's work on `device` goes so that the step
+  // that reads its result follows it in order, whichever thread runs either; nullptr: the
+  // device backend's stream of the thread that first joins.
   explicit TensorParallelJoin(int32_t world_size,
                               const kernels::KernelBackend& backend = kernels::CpuBackend(),
                               const kernels::KernelBackend* device_backend = nullptr,
-                              int device = 0, CrossDeviceJoiner* cross_device = nullptr);
+                              int device = 0, CrossDeviceJoiner* cross_device = nullptr,
+                              kernels::StreamHandle stream = nullptr);
   ~TensorParallelJoin();
   TensorParallelJoin(const TensorParallelJoin&) = delete;
   TensorParallelJoin& operator=(const TensorParallelJoin&) = delete;
@@ -123,9 +127,9 @@ class TensorParallelJoin {
   // The joined [layers, tokens] float32 scores, or a matrix with layers == 0 when the step
   // carries none. Valid until the next Add/Reset. REQUIRES: complete(), !any_on_device().
   kernels::ScoreMatrix Join();
-  // The same, in the device backend's memory (enqueued on its stream of the device, where
-  // the sequence's step runs next). INTERNAL when the device fails.
-  // REQUIRES: complete(), any_on_device().
+  // The same, in the device backend's memory, enqueued on the join's stream (where its
+  // buffers are allocated too), whose next work, the sequence's step, reads the result in
+  // stream order. INTERNAL when the device fails. REQUIRES: complete(), any_on_device().
   absl::StatusOr<kernels::ScoreMatrix> JoinOnDevice();
 
   // Forgets the reports of the current step, keeping buffers for the next. After a
@@ -150,7 +154,9 @@ class TensorParallelJoin {
   absl::StatusOr<int64_t> CountInvalidOnDevice(const kernels::ScoreMatrix& p, int device);
   // The first invalid element of `p` (memory of `device`), for the message.
   kernels::InvalidScore FindInvalidOnDevice(const kernels::ScoreMatrix& p, int device);
-  // Allocates on the current device.
+  // stream_, from the device backend when none was given.
+  absl::Status EnsureStream();
+  // Allocates on the current device, ordered on stream_.
   absl::Status EnsureDeviceBuffer(size_t bytes, void** buffer, size_t* capacity);
   // Whether the step's partial sums sit one per rank on distinct devices, device_ among
   // them: the cross-device joiner's case.
@@ -163,7 +169,8 @@ class TensorParallelJoin {
   CrossDeviceJoiner* const cross_device_;
   bool any_on_device_ = false;
   std::vector<int> devices_;  // reused by JoinOnDevice
-  kernels::StreamHandle stream_ = nullptr;  // the device backend's stream of device_
+  // Where the device work on device_ is enqueued: the sequence's (see the constructor).
+  kernels::StreamHandle stream_ = nullptr;
   bool device_work_queued_ = false;         // JoinOnDevice ran since the last Reset
   std::vector<int64_t*> device_invalid_;   // [1] on each device, by device number
   int64_t* staged_invalid_ = nullptr;       // [1] host staging

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/backend.h"
+#include "kernels/stream_lanes.h"
 
 namespace kvcm::kernels {
 namespace {
@@ -26,6 +27,13 @@ absl::Status HostAllocate(size_t bytes, void** ptr) {
 
 void HostRelease(void* ptr) { std::free(ptr); }
 
+// Host memory is ready at once and freed at once: nothing is queued on a host stream.
+absl::Status HostAllocateOnStream(size_t bytes, StreamHandle /*stream*/, void** ptr) {
+  return HostAllocate(bytes, ptr);
+}
+
+void HostReleaseOnStream(void* ptr, StreamHandle /*stream*/) { HostRelease(ptr); }
+
 absl::Status HostCopy(void* dst, const void* src, size_t bytes, CopyKind /*kind*/,
                       StreamHandle /*stream*/) {
   if (bytes > 0) std::memmove(dst, src, bytes);
@@ -37,19 +45,32 @@ absl::Status NoStream(int /*device*/, StreamHandle* stream) {
   return absl::OkStatus();
 }
 
+// One byte per lane: the emulated streams are their addresses.
+char emulated_streams[kStreamLanes];
+
+absl::Status EmulatedLaneStream(int /*device*/, StreamHandle* stream) {
+  *stream = EmulatedStream(ThreadStreamLane());
+  return absl::OkStatus();
+}
+
 absl::Status NothingToWaitFor(StreamHandle /*stream*/, const char* /*what*/) {
   return absl::OkStatus();
 }
 
-constexpr BackendMemory kHostMemory{&NoDevice,   &HostAllocate, &HostRelease, &HostAllocate,
-                                    &HostRelease, &HostCopy,    &NoStream,    &NothingToWaitFor};
+constexpr BackendMemory kHostMemory{&NoDevice,    &HostAllocateOnStream, &HostReleaseOnStream,
+                                    &HostAllocate, &HostRelease,          &HostCopy,
+                                    &NoStream,     &NothingToWaitFor};
+constexpr BackendMemory kEmulatedDeviceMemory{
+    &NoDevice, &HostAllocateOnStream, &HostReleaseOnStream, &HostAllocate,
+    &HostRelease, &HostCopy, &EmulatedLaneStream, &NothingToWaitFor};
 
 #define KVCM_CPU_KERNEL_ENTRY(kernel, entry) &cpu::kernel,
 
 constexpr KernelBackend kCpu{"cpu", MemorySpace::kHost,
                              KVCM_KERNEL_ENTRIES(KVCM_CPU_KERNEL_ENTRY) kHostMemory};
-constexpr KernelBackend kEmulatedDevice{"cpu-emulated-device", MemorySpace::kDevice,
-                                        KVCM_KERNEL_ENTRIES(KVCM_CPU_KERNEL_ENTRY) kHostMemory};
+constexpr KernelBackend kEmulatedDevice{
+    "cpu-emulated-device", MemorySpace::kDevice,
+    KVCM_KERNEL_ENTRIES(KVCM_CPU_KERNEL_ENTRY) kEmulatedDeviceMemory};
 
 #undef KVCM_CPU_KERNEL_ENTRY
 
@@ -57,5 +78,9 @@ constexpr KernelBackend kEmulatedDevice{"cpu-emulated-device", MemorySpace::kDev
 
 const KernelBackend& CpuBackend() { return kCpu; }
 const KernelBackend& EmulatedDeviceBackend() { return kEmulatedDevice; }
+
+StreamHandle EmulatedStream(int lane) {
+  return &emulated_streams[((lane % kStreamLanes) + kStreamLanes) % kStreamLanes];
+}
 
 }  // namespace kvcm::kernels

@@ -71,6 +71,11 @@ absl::Status StickyContextError() {
       "the CUDA context is unusable until the process restarts (", record.message, ")"));
 }
 
+std::mutex& SynchronizingCallMutex() {
+  static std::mutex* const mu = new std::mutex;  // never destroyed: used until exit
+  return *mu;
+}
+
 absl::Status LaunchStatus(absl::string_view what) {
   return CudaStatus(cudaGetLastError(), what);
 }

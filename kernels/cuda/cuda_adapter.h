@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
@@ -35,6 +36,15 @@ bool IsStickyContextError(cudaError_t error);
 // in this process, as FAILED_PRECONDITION naming it and where it was seen; OK while there
 // was none. The daemon reports NOT_SERVING on it, so that it is restarted. Thread-safe.
 absl::Status StickyContextError();
+
+// Held around every call of this process that may synchronize a device to allocate or
+// free memory (cudaMalloc, cudaFree, cudaMallocHost, cudaFreeHost, making an NCCL
+// communicator) and around the enqueueing of an NCCL group. A call that waits for a device
+// while another thread is between launching one rank's part of a group and the next can
+// hang the group (NCCL's documentation warns of exactly this): with the mutex, a group is
+// enqueued whole before such a call runs, or after it. The step path makes none of these
+// calls (kernels/backend.h). Never held while waiting for a join to finish.
+std::mutex& SynchronizingCallMutex();
 
 // The status of the kernels launched on this thread since the last check (it clears the
 // runtime's last error). Reports launch failures, not faults of kernels still running:

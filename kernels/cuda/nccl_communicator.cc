@@ -3,6 +3,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,9 @@ absl::Status NcclStatus(ncclResult_t result, absl::string_view what) {
 struct NcclCommunicator::Comms {
   std::vector<ncclComm_t> comm;  // null once aborted
   ~Comms() {
+    // Destroying frees device memory; aborting (AbortLocked) must never wait, so only
+    // this takes the mutex.
+    std::lock_guard<std::mutex> no_synchronizing_calls(SynchronizingCallMutex());
     for (ncclComm_t c : comm) {
       if (c != nullptr) ncclCommDestroy(c);
     }
@@ -97,9 +101,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   }
   auto comms = std::make_unique<Comms>();
   comms->comm.assign(devices.size(), nullptr);
+  // ncclCommInitAll allocates on every device and enqueues its own setup: not beside a
+  // group or a synchronizing allocation of another thread.
+  std::unique_lock<std::mutex> no_synchronizing_calls(SynchronizingCallMutex());
   absl::Status init = NcclStatus(
       ncclCommInitAll(comms->comm.data(), static_cast<int>(devices.size()), devices.data()),
       absl::StrCat("ncclCommInitAll over ", devices.size(), " devices"));
+  no_synchronizing_calls.unlock();
   if (!init.ok()) return init;
   return std::unique_ptr<NcclCommunicator>(
       new NcclCommunicator(std::move(devices), std::move(comms)));
@@ -177,6 +185,8 @@ absl::Status NcclCommunicator::JoinPartialSums(std::span<const RankJoinBuffers> 
     sent[r] = ranks[r].staging;
   }
   if (status.ok() && n > 0 && world_size() > 1) {
+    // Every rank's part is enqueued before any call that may wait for a device runs.
+    std::lock_guard<std::mutex> no_synchronizing_calls(SynchronizingCallMutex());
     status = NcclStatus(ncclGroupStart(), "ncclGroupStart");
     if (!status.ok()) return status;
     for (size_t r = 0; r < ranks.size() && status.ok(); ++r) {

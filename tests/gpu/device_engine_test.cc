@@ -18,6 +18,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,6 +27,8 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "kernels/half_float.h"
+#include "kernels/stream_lanes.h"
+#include "tests/cache_manager/engine_test_util.h"
 #include "tests/clients/golden.h"
 
 #if KVCM_DEVICE_ENGINE_CUDA
@@ -261,6 +264,101 @@ TEST_F(DeviceEngineTest, RandomRunsDecideAlikeAndRejectedStepsChangeNothing) {
   }
 }
 
+// Sequences a growing cache (prefill 60, budget 200: the arrays grow on the step path,
+// then every step evicts) stepped `steps` times with random scores, host and device side
+// by side, on the calling thread.
+void GrowAndStep(Pair& p, uint64_t seed, int64_t steps) {
+  std::mt19937_64 rng(seed);
+  for (int64_t step = 1; step <= steps; ++step) {
+    const std::string where = "step " + std::to_string(step);
+    if (p.host->next_needs_scores()) {
+      Rows rows = RandomRows(rng, 3, p.host->next_score_length(), kernels::ScoreDtype::kFloat32,
+                             false);
+      StepBoth(p, step, &rows.matrix, where, /*check_state=*/step % 16 == 0);
+    } else {
+      StepBoth(p, step, nullptr, where, /*check_state=*/step % 16 == 0);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  EXPECT_EQ(p.device->stats().steps, steps);
+  EXPECT_EQ(p.device->state().size(), 200) << "grown to the budget";
+}
+
+SequenceOptions Growing(const char* preset) { return testing::PresetOptions(60, 200, preset); }
+
+// Engine threads step their sequences at once, each on a stream of its own lane
+// (kernels/stream_lanes.h) with work queued and not waited for between calls: every
+// decision and momentum bit is still the host's.
+TEST_F(DeviceEngineTest, ThreadsSteppingTheirOwnSequencesAtOnceDecideAsTheHost) {
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([t] {
+      kernels::SetThreadStreamLane(kernels::EngineThreadStreamLane(t));
+      Pair p = Open(Growing(t % 2 == 0 ? "inertia" : "inertia_lazy4"));
+      if (p.device == nullptr) return;
+      GrowAndStep(p, 100 + static_cast<uint64_t>(t), 240);
+      ExpectSameState(*p.host, *p.device, "thread " + std::to_string(t) + " at the end");
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+// A sequence opened on one thread and stepped on another keeps the stream it was made
+// with: its queued work stays in order.
+TEST_F(DeviceEngineTest, ASequenceSteppedByAnotherThreadKeepsItsStream) {
+  std::unique_ptr<Pair> p;
+  kernels::StreamHandle opened_on = nullptr;
+  std::thread opener([&] {
+    kernels::SetThreadStreamLane(7);
+    p = std::make_unique<Pair>(Open(Growing("inertia")));
+    if (p->device != nullptr) opened_on = p->device->state().stream();
+  });
+  opener.join();
+  ASSERT_NE(p->device, nullptr);
+  std::thread stepper([&] {
+    kernels::SetThreadStreamLane(8);
+    kernels::StreamHandle mine = nullptr;
+    ASSERT_TRUE(DeviceBackend().mem.device_stream(0, &mine).ok());
+    EXPECT_NE(mine, opened_on) << "the lanes' streams differ";
+    GrowAndStep(*p, 9, 200);
+    EXPECT_EQ(p->device->state().stream(), opened_on);
+  });
+  stepper.join();
+  ExpectSameState(*p->host, *p->device, "the end");
+}
+
+#if KVCM_DEVICE_ENGINE_CUDA
+// A sequence's arrays come from the device's memory pool, which keeps what is freed: a
+// second sequence growing the same way, and any number of steady steps, take nothing more
+// from the driver (no cudaMalloc, which would synchronize the device, on the step path).
+TEST_F(DeviceEngineTest, GrowingArraysReuseThePoolsMemory) {
+  cudaMemPool_t pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+  const auto reserved = [&pool] {
+    uint64_t bytes = 0;
+    EXPECT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &bytes),
+              cudaSuccess);
+    return bytes;
+  };
+  {
+    Pair first = Open(Growing("inertia"));
+    ASSERT_NE(first.device, nullptr);
+    GrowAndStep(first, 1, 200);
+  }
+  uint64_t threshold = 0;
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+            cudaSuccess);
+  EXPECT_EQ(threshold, UINT64_MAX) << "freed memory stays in the pool";
+  const uint64_t after_first = reserved();
+  EXPECT_GT(after_first, 0u);
+  Pair second = Open(Growing("inertia"));
+  ASSERT_NE(second.device, nullptr);
+  GrowAndStep(second, 2, 300);
+  EXPECT_LE(reserved(), after_first) << "the second sequence's growth reused the first's memory";
+}
+#endif  // KVCM_DEVICE_ENGINE_CUDA
+
 // kvcache-replay (next to this test's executable) with its sequence on the device
 // backend reproduces every golden vector byte for byte.
 TEST_F(DeviceEngineTest, TheReplayToolOnTheDeviceReproducesEveryGoldenVector) {
@@ -297,13 +395,18 @@ class BackendScores {
                          kernels::ScoreDtypeSize(rows.dtype);
     kernels::StreamHandle stream = nullptr;
     EXPECT_TRUE(mem.set_device(0).ok());
-    EXPECT_TRUE(mem.allocate(bytes, &data_).ok());
     EXPECT_TRUE(mem.device_stream(0, &stream).ok());
+    EXPECT_TRUE(mem.allocate(bytes, stream, &data_).ok());
     EXPECT_TRUE(mem.copy(data_, rows.data, bytes, kernels::CopyKind::kHostToBackend, stream).ok());
     EXPECT_TRUE(mem.synchronize(stream, "test scores").ok());
     matrix_.data = data_;
   }
-  ~BackendScores() { DeviceBackend().mem.release(data_); }
+  ~BackendScores() {
+    kernels::StreamHandle stream = nullptr;
+    if (DeviceBackend().mem.device_stream(0, &stream).ok()) {
+      DeviceBackend().mem.release(data_, stream);
+    }
+  }
   BackendScores(const BackendScores&) = delete;
   BackendScores& operator=(const BackendScores&) = delete;
   const kernels::ScoreMatrix& matrix() const { return matrix_; }
@@ -419,9 +522,9 @@ TEST(DeviceScoresTest, ScoresInDeviceMemoryAreNotCopiedFromTheHost) {
 int allocations_left = 0;
 int synchronizations_left = 0;
 
-absl::Status FailingAllocate(size_t bytes, void** ptr) {
+absl::Status FailingAllocate(size_t bytes, kernels::StreamHandle stream, void** ptr) {
   if (allocations_left-- <= 0) return absl::InternalError("cudaMalloc: out of memory (injected)");
-  return kernels::EmulatedDeviceBackend().mem.allocate(bytes, ptr);
+  return kernels::EmulatedDeviceBackend().mem.allocate(bytes, stream, ptr);
 }
 
 absl::Status FailingSynchronize(kernels::StreamHandle stream, const char* what) {

@@ -4,6 +4,7 @@
 // one-pass join. The CUDA table's signatures are checked when it compiles
 // (kernels/cuda/cuda_backend.cc); its results by tests/gpu.
 #include "kernels/backend.h"
+#include "kernels/stream_lanes.h"
 
 #include <cstdint>
 #include <cstring>
@@ -39,12 +40,12 @@ TEST(KernelBackendTest, TheEmulatedDeviceRunsTheSameKernelsBehindDeviceMemory) {
   EXPECT_EQ(emulated.memory, MemorySpace::kDevice);
   EXPECT_EQ(emulated.update_momentum, CpuBackend().update_momentum);
   EXPECT_EQ(emulated.select_lowest, CpuBackend().select_lowest);
-  StreamHandle stream = reinterpret_cast<StreamHandle>(1);
+  StreamHandle stream = nullptr;
   ASSERT_TRUE(emulated.mem.device_stream(0, &stream).ok());
-  EXPECT_EQ(stream, nullptr);
+  EXPECT_EQ(stream, EmulatedStream(ThreadStreamLane()));
   void* device = nullptr;
   void* staging = nullptr;
-  ASSERT_TRUE(emulated.mem.allocate(100, &device).ok());
+  ASSERT_TRUE(emulated.mem.allocate(100, stream, &device).ok());
   ASSERT_TRUE(emulated.mem.allocate_staging(100, &staging).ok());
   EXPECT_EQ(reinterpret_cast<uintptr_t>(device) % 256, 0u);
   const char text[] = "kv cache";
@@ -52,9 +53,9 @@ TEST(KernelBackendTest, TheEmulatedDeviceRunsTheSameKernelsBehindDeviceMemory) {
   ASSERT_TRUE(emulated.mem.copy(staging, device, sizeof(text), CopyKind::kBackendToHost, stream).ok());
   ASSERT_TRUE(emulated.mem.synchronize(stream, "copy").ok());
   EXPECT_STREQ(static_cast<const char*>(staging), text);
-  emulated.mem.release(device);
+  emulated.mem.release(device, stream);
   emulated.mem.release_staging(staging);
-  emulated.mem.release(nullptr);  // ignored
+  emulated.mem.release(nullptr, stream);  // ignored
 }
 
 TEST(KernelBackendTest, WidenThenScaleEqualsTheOnePassJoinBitForBit) {

@@ -16,9 +16,14 @@ namespace {
 int64_t g_allocations = 0;
 int64_t g_copies = 0;
 
-absl::Status CountingAllocate(size_t bytes, void** ptr) {
+absl::Status CountingAllocate(size_t bytes, kernels::StreamHandle stream, void** ptr) {
   ++g_allocations;
-  return kernels::CpuBackend().mem.allocate(bytes, ptr);
+  return kernels::CpuBackend().mem.allocate(bytes, stream, ptr);
+}
+
+absl::Status CountingAllocateStaging(size_t bytes, void** ptr) {
+  ++g_allocations;
+  return kernels::CpuBackend().mem.allocate_staging(bytes, ptr);
 }
 
 absl::Status CountingCopy(void* dst, const void* src, size_t bytes, kernels::CopyKind kind,
@@ -32,7 +37,7 @@ const kernels::KernelBackend& CountingHostBackend() {
   static const kernels::KernelBackend backend = [] {
     kernels::KernelBackend b = kernels::CpuBackend();
     b.mem.allocate = &CountingAllocate;
-    b.mem.allocate_staging = &CountingAllocate;
+    b.mem.allocate_staging = &CountingAllocateStaging;
     b.mem.copy = &CountingCopy;
     return b;
   }();
