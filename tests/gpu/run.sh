@@ -395,11 +395,11 @@ elif [ -z "$sanitizer" ]; then
   note "compute-sanitizer not found: memcheck and racecheck did not run"
   echo "available no" >>"$out/sanitizer.txt"
 else
-  # sanitize NAME TOOL FILTER: 0 clean; 86 errors found; 1 test failures; else unusable.
+  # sanitize NAME TOOL TEST FILTER: 0 clean; 86 errors found; 1 test failures; else unusable.
   sanitize() {
-    local name=$1 tool=$2 filter=$3
+    local name=$1 tool=$2 test=$3 filter=$4
     run "sanitizer-$name" "$step_timeout" "$sanitizer" --tool "$tool" --error-exitcode 86 \
-        --print-limit 20 "$carry/bin/gpu_kernel_parity_test" --gtest_filter="$filter"
+        --print-limit 20 "$carry/bin/$test" --gtest_filter="$filter"
     local rc=$?
     case $rc in
       0) say "   $tool ($name): clean"; echo "$name clean" >>"$out/sanitizer.txt" ;;
@@ -414,10 +414,15 @@ else
   }
   # memcheck on the parity cases (the sizes up to 4,096 and the steady step's real shape),
   # racecheck on the single-block selection and removal kernels.
-  sanitize memcheck memcheck \
+  sanitize memcheck memcheck gpu_kernel_parity_test \
     'SizesAndDtypes/*_n1:SizesAndDtypes/*_n7:SizesAndDtypes/*_n111:SizesAndDtypes/*_n4096:Sizes/ArrayKernelParityTest.*/0:Sizes/ArrayKernelParityTest.*/1:Sizes/ArrayKernelParityTest.*/2:Sizes/ArrayKernelParityTest.*/3:RealShapes/*SteadyStep6400*:MovesAndLayouts/*moves111*'
-  sanitize racecheck racecheck \
+  sanitize racecheck racecheck gpu_kernel_parity_test \
     'Sizes/ArrayKernelParityTest.SelectLowest*/2:Sizes/ArrayKernelParityTest.SelectLowest*/3:Sizes/ArrayKernelParityTest.RemoveEntries*/2:Sizes/ArrayKernelParityTest.RemoveEntries*/3:Sizes/ArrayKernelParityTest.MeanMomentum*/3'
+  # memcheck on the engine's stream order: threads stepping sequences at once on streams of
+  # their own, a sequence stepped by another thread than its own, arrays grown and freed
+  # stream-ordered (a kernel reading memory freed on another stream shows up here).
+  sanitize engine-streams memcheck gpu_device_engine_test \
+    'DeviceEngineTest.Threads*:DeviceEngineTest.ASequenceSteppedByAnotherThread*:DeviceEngineTest.GrowingArrays*'
 fi
 
 phase "golden vectors through kvcache-replay --device cuda"
