@@ -35,6 +35,7 @@
 #include "cache_manager/persist/restart.h"
 #include "cache_manager/persist/snapshot.h"
 #include "kernels/backend_by_name.h"
+#include "kernels/stream_lanes.h"
 #include "server/auth.h"
 #include "server/health_service.h"
 #include "server/importer.h"
@@ -250,8 +251,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const ServerOptions& optio
   }
   RETURN_IF_ERROR(d->CreatePools(&snapshot));
   RETURN_IF_ERROR(d->CreateEngine());
-  if (snapshot.has_value()) d->RestoreSequences(*snapshot);
+  // The engine threads first: each restored sequence takes the device stream of the
+  // thread that will step it.
   d->CreateExecutor();
+  if (snapshot.has_value()) d->RestoreSequences(*snapshot);
   RETURN_IF_ERROR(d->CreateHandoff());
   if (options.allow_shm_scores) d->CreateScoreRegions();
   RETURN_IF_ERROR(d->ServeMetrics());
@@ -332,7 +335,11 @@ absl::Status Daemon::CreateEngine() {
 }
 
 void Daemon::RestoreSequences(const EngineSnapshot& snapshot) {
-  const RestoreReport report = RestoreEngine(snapshot, table_.get(), pools_.get());
+  const StepExecutor* executor = executor_.get();
+  const RestoreReport report =
+      RestoreEngine(snapshot, table_.get(), pools_.get(), [executor](absl::string_view id) {
+        return kernels::EngineThreadStreamLane(executor->ShardOf(id));
+      });
   for (const std::string& failure : report.failures) {
     std::fprintf(stderr, "kvcached: ERROR: a sequence of the snapshot was not restored: %s\n",
                  EscapeText(failure).c_str());

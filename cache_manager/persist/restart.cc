@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cache_manager/base/status_macros.h"
+#include "kernels/stream_lanes.h"
 
 namespace kvcm {
 
@@ -61,10 +62,14 @@ absl::Status CheckPoolsMatch(const EngineSnapshot& snapshot, int32_t ranks,
   return absl::OkStatus();
 }
 
-RestoreReport RestoreEngine(const EngineSnapshot& snapshot, SequenceTable* table, KvPools* pools) {
+RestoreReport RestoreEngine(const EngineSnapshot& snapshot, SequenceTable* table, KvPools* pools,
+                            const std::function<int(absl::string_view id)>& stream_lane_of) {
   RestoreReport report;
+  const int own_lane = kernels::ThreadStreamLane();
   for (const SequenceRecord& record : snapshot.sequences) {
+    if (stream_lane_of) kernels::SetThreadStreamLane(stream_lane_of(record.id));
     absl::StatusOr<SequenceInfo> restored = table->Restore(record);
+    kernels::SetThreadStreamLane(own_lane);
     if (restored.ok()) {
       ++report.restored;
     } else {

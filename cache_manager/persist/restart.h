@@ -7,10 +7,12 @@
 #define KVCM_CACHE_MANAGER_PERSIST_RESTART_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "cache_manager/kv/kv_pools.h"
 #include "cache_manager/persist/snapshot.h"
 #include "cache_manager/table/sequence_table.h"
@@ -36,7 +38,11 @@ struct RestoreReport {
 // the snapshot's, re-attached and unleased), then gives the pools back the order in which
 // they handed out free blocks. A sequence that does not fit (the limits shrank, say) is
 // left out and listed in the report; the others are restored.
-RestoreReport RestoreEngine(const EngineSnapshot& snapshot, SequenceTable* table, KvPools* pools);
+// `stream_lane_of` (may be empty): the stream lane (kernels/stream_lanes.h) of the engine
+// thread that will step a sequence, by its id: its device work is enqueued there for its
+// whole life, as if that thread had opened it. Empty: the calling thread's lane.
+RestoreReport RestoreEngine(const EngineSnapshot& snapshot, SequenceTable* table, KvPools* pools,
+                            const std::function<int(absl::string_view id)>& stream_lane_of = {});
 
 }  // namespace kvcm
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cache_manager/persist/restart.h"
 #include "cache_manager/table/sequence_table.h"
 #include "cache_manager/table/step_executor.h"
 #include "gtest/gtest.h"
@@ -199,6 +201,52 @@ TEST(StreamOrderTest, ASingleRankSequenceStaysOnItsStreamWhicheverThreadStepsIt)
     }
     OnLane(kSteppingLane, [&] { ASSERT_TRUE(table.Close("s").ok()); });
     ExpectAllOnTheSequencesStream(-1);
+  }
+}
+
+// A restart rebuilds every sequence on the start-up thread; each must still take the
+// stream of the engine thread that will step it (the daemon's lane of its shard), not the
+// start-up thread's, which every restored sequence would otherwise share for its life.
+TEST(StreamOrderTest, ARestoredSequenceTakesTheStreamOfTheThreadThatWillStepIt) {
+  SequenceTableOptions options;
+  options.engine_backend = &RecordingDevice();
+  SequenceTable before(options);
+  const std::vector<std::pair<std::string, int>> lanes = {{"a", 11}, {"b", 12}, {"c", 13}};
+  for (const auto& [id, lane] : lanes) {
+    ASSERT_TRUE(before.Open(id, testing::PresetOptions(40, 120, "inertia")).ok());
+  }
+  const EngineSnapshot snapshot = CaptureEngine(before, nullptr, 1);
+  SequenceTable after(options);
+  (void)Recorded().Take();
+  const int own_lane = kernels::ThreadStreamLane();
+  const RestoreReport report =
+      RestoreEngine(snapshot, &after, nullptr, [&lanes](absl::string_view id) {
+        for (const auto& [known, lane] : lanes) {
+          if (known == id) return lane;
+        }
+        return 0;
+      });
+  ASSERT_EQ(report.restored, 3) << (report.failures.empty() ? "" : report.failures[0]);
+  EXPECT_EQ(kernels::ThreadStreamLane(), own_lane) << "the caller's lane is given back";
+  std::set<StreamHandle> restored_on;
+  for (const auto& [what, stream] : Recorded().Take()) restored_on.insert(stream);
+  EXPECT_EQ(restored_on, (std::set<StreamHandle>{kernels::EmulatedStream(11),
+                                                 kernels::EmulatedStream(12),
+                                                 kernels::EmulatedStream(13)}));
+  std::mt19937_64 rng(8);
+  for (const auto& [id, lane] : lanes) {
+    SCOPED_TRACE(id);
+    testing::DenseScores dense(testing::RandomLayers(rng, 2, 41, false));
+    EvictionDecision decision;
+    OnLane(kSteppingLane, [&] {
+      const absl::Status stepped = after.Step(id, 1, &dense.matrix, &decision);
+      ASSERT_TRUE(stepped.ok()) << stepped;
+    });
+    const auto calls = Recorded().Take();
+    EXPECT_FALSE(calls.empty());
+    for (const auto& [what, stream] : calls) {
+      EXPECT_EQ(stream, kernels::EmulatedStream(lane)) << what;
+    }
   }
 }
 
