@@ -3,7 +3,7 @@ step batches per stream in flight (--max_inflight_batches=2): two micro-batches
 alternating, each computed while the other's step travels, decide and hold exactly what
 the blocking begin()/finish() loop does on the same sequences and random inputs (eager,
 lazy and folded sequences, budgets that evict, an observation window); a rejected step
-applies nothing; a sequence in flight cannot be stepped again; the replies keep their
+applies the decisions of the sequences it did not reject; a sequence in flight cannot be stepped again; the replies keep their
 order. No timing is asserted: only what the overlap must not change."""
 
 import time
@@ -160,28 +160,60 @@ def test_two_micro_batches_decide_and_hold_what_the_blocking_loop_does(client, s
     assert 0 <= micro.stats["wait_s"] <= micro.stats["total_s"]
 
 
-def test_a_rejected_step_completes_with_nothing_applied(client, seq_id):
+def stepped_alone(client, seq_id, index: int, steps: int) -> Tuple:
+    """SEQUENCES[index] alone in a blocking loop for ``steps`` steps: its final cache."""
+    with client.batch() as batch:
+        loop = DecodeLoop(batch, observation_window=WINDOW)
+        index_of = {seq_id("alone"): index}
+        cache = open_sequence(batch, loop, next(iter(index_of)), index)
+        for _ in range(steps):
+            captures = loop.begin()
+            decode(loop, index_of, captures)
+            loop.finish(captures)
+        return final({index: cache})[index]
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["finish", "submit-complete"])
+def test_a_rejected_step_applies_the_accepted_decisions_and_decoding_goes_on(
+        client, seq_id, in_flight):
+    """The daemon decided the other sequences of a step it rejected for one: their caches
+    take those decisions (else they would lag the daemon's, whose next step they can no
+    longer match), the rejected one's cache and window stay as they were."""
+    want = stepped_alone(client, seq_id, 0, 3)
     with client.batch(max_inflight=2) as batch:
         loop = DecodeLoop(batch, observation_window=WINDOW)
         index_of = {seq_id("kept"): 0, seq_id("closed"): 1}
         caches = {sid: open_sequence(batch, loop, sid, i) for sid, i in index_of.items()}
-        closed = list(index_of)[1]
+        kept, closed = list(index_of)
         client.close_sequence(closed)  # the batch still steps it: the daemon rejects it
         captures = loop.begin()
         decode(loop, index_of, captures)
-        before = {sid: (list(c.positions), c.next_position) for sid, c in caches.items()}
-        stats = dict(loop.stats)
-        pending = loop.submit(captures)
+        closed_before = (list(caches[closed].positions), caches[closed].next_position)
         with pytest.raises(StepError) as caught:
-            loop.complete(pending)
+            if in_flight:
+                pending = loop.submit(captures)
+                loop.complete(pending)
+            else:
+                loop.finish(captures)
         assert caught.value.sequence_id == closed
-        assert {sid: (list(c.positions), c.next_position)
-                for sid, c in caches.items()} == before
-        assert loop.stats == stats
-        assert all(loop.window(sid) is not None for sid in caches)  # not spent
-        with pytest.raises(ValueError, match="completed already"):
-            loop.complete(pending)
+        assert (list(caches[closed].positions), caches[closed].next_position) == closed_before
+        assert loop.window(closed) is not None  # not spent: step 1 is to be redone
+        assert loop.window(kept) is None        # spent: step 1 was decided
+        assert loop.stats["steps"] == 1
+        if in_flight:
+            with pytest.raises(ValueError, match="completed already"):
+                loop.complete(pending)
         assert loop.begin().keys() == caches.keys()  # the step is over, nothing in flight
+        loop.remove(closed)
+        for _ in range(2):
+            captures = loop.begin()
+            decode(loop, index_of, captures)
+            loop.finish(captures)
+        got = final({0: caches[kept]})[0]
+        assert got[:2] == want[:2]
+        for layer in range(LAYERS):
+            assert torch.equal(got[2][layer], want[2][layer])
+            assert torch.equal(got[3][layer], want[3][layer])
 
 
 class HeldStep:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set
 
-from ..errors import SequenceInFlightError
+from ..errors import SequenceInFlightError, StepError
 from .caches import KvCache
 from .capture import SCORERS, ObservationWindow, StepScores
 
@@ -135,11 +135,16 @@ class DecodeLoop:
 
     def finish(self, captures: Mapping[str, Optional[StepScores]]) -> Dict[str, Any]:
         """Sends the step of every sequence in ``captures`` and applies the decisions to
-        their caches; returns the decisions. Raises StepError (nothing applied) when the
-        daemon rejects one."""
+        their caches; returns the decisions. Raises StepError when the daemon rejects one,
+        after applying the accepted ones (:meth:`_apply_accepted`)."""
         reports = self._reports(captures)
         built = time.perf_counter()
-        decisions = self.batch.step(reports, dtype=self.dtype, raise_on_error=True)
+        try:
+            decisions = self.batch.step(reports, dtype=self.dtype, raise_on_error=True)
+        except StepError as error:
+            waited = time.perf_counter() - built
+            self._apply_accepted(captures, error, step_s=waited, wait_s=waited)
+            raise
         waited = time.perf_counter() - built
         return self._apply(captures, decisions, step_s=waited, wait_s=waited)
 
@@ -159,8 +164,9 @@ class DecodeLoop:
     def complete(self, pending: PendingStep) -> Dict[str, Any]:
         """Waits for the decisions of a step :meth:`submit` sent, applies them to the
         caches, drops the spent observation windows and returns the decisions, as
-        :meth:`finish`. Raises StepError (nothing applied) when the daemon rejected one,
-        and the stream's KvCacheError when it failed; the step is over either way."""
+        :meth:`finish`. Raises StepError when the daemon rejected one (the accepted ones
+        applied, as :meth:`finish` does), and the stream's KvCacheError when it failed (no
+        decision arrived: nothing applied); the step is over either way."""
         if pending.loop is not self:
             raise ValueError("this step was submitted by another DecodeLoop")
         if pending.completed:
@@ -168,12 +174,28 @@ class DecodeLoop:
         started = time.perf_counter()
         try:
             decisions = pending.future.result()
+        except StepError as error:
+            waited = time.perf_counter() - started
+            self._apply_accepted(pending.captures, error, step_s=pending.send_s + waited,
+                                 wait_s=waited)
+            raise
         finally:
             pending.completed = True
             self._in_flight -= pending.sequence_ids
         waited = time.perf_counter() - started
         return self._apply(pending.captures, decisions, step_s=pending.send_s + waited,
                            wait_s=waited)
+
+    def _apply_accepted(self, captures: Mapping[str, Optional[StepScores]], error: StepError,
+                        *, step_s: float, wait_s: float) -> None:
+        """A step the daemon rejected for some sequences decided the others: they moved on
+        (the batch tracks their next step), so their decisions are applied to their caches
+        as any step's, or the caches would lag the daemon's for good. A rejected
+        sequence's cache and observation window stay as they were: redo its step."""
+        accepted = {sid: d for sid, d in (error.decisions or {}).items() if d.ok}
+        if accepted:
+            self._apply({sid: captures.get(sid) for sid in accepted}, accepted,
+                        step_s=step_s, wait_s=wait_s)
 
     @staticmethod
     def _reports(captures: Mapping[str, Optional[StepScores]]) -> Dict[str, Any]:
@@ -236,8 +258,8 @@ class MicroBatchedDecode:
     belongs to one loop. ``stats``: ``turns`` (steps submitted), ``wait_s`` (time blocked
     in ``begin``/``drain`` on the daemon's decisions), ``total_s`` (from the first
     ``begin`` to the end of the latest call): ``wait_s`` well under ``total_s`` is the
-    round trip hidden behind the model. A StepError from ``begin`` (a rejected step,
-    nothing applied) leaves that turn open with nothing in flight.
+    round trip hidden behind the model. A StepError from ``begin`` (a rejected step; the
+    turn's accepted decisions applied) leaves that turn open with nothing in flight.
     """
 
     def __init__(self, loops: Sequence[DecodeLoop]) -> None:
