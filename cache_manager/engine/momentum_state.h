@@ -7,12 +7,11 @@
 // memory is host memory), are allocated with its `mem` table, and every step runs its
 // kernels on one stream of `device` (stream(): the making thread's), where the arrays are
 // also allocated and freed (stream-ordered: growing them on a step waits for no other
-// work). A scoring step reads the scores in the backend's
-// memory (uploading host scores to a device first; ScoreSpace), updates into a second
-// buffer that becomes the momentum only when every score was valid (double buffer: a
-// rejected step leaves the state untouched), and only the step's evicted indices and
-// positions, and the invalid-score count, cross back to the host. Each method that
-// returns a result waits for the stream.
+// work). A scoring step reads the scores in the backend's memory (uploading host scores
+// to a device first; ScoreSpace), updates into a second buffer that becomes the momentum
+// only when every score was valid (double buffer: a rejected step leaves the state
+// untouched), and only the step's evicted indices and positions, and the invalid-score
+// count, cross back to the host. Each method that returns a result waits for the stream.
 //
 // Where the backend's memory is host memory (MemorySpace::kHost) the state skips the work
 // and memory that only a device needs (momentum_state.cc, InHostMemory): host scores are

@@ -91,11 +91,12 @@ class ScoreRegions {
   absl::StatusOr<uint64_t> Register(absl::string_view tenant, const std::string& name,
                                     uint64_t byte_size);
   // Allocates a region of `byte_size` bytes for `tenant` (zero-filled; freed by
-  // Unregister, the idle drop (not exported device memory), or the daemon's exit). INVALID_ARGUMENT for a bad size;
-  // FAILED_PRECONDITION when this daemon creates no regions, or when its memory cannot be
-  // shared with a worker (MemoryExport::unavailable, quoted); RESOURCE_EXHAUSTED past
-  // max_regions or the created budget (saying what is used and left), or when the memory
-  // cannot be had; INTERNAL for other failures of the allocator.
+  // Unregister, the idle drop (not exported device memory), or the daemon's exit).
+  // INVALID_ARGUMENT for a bad size; FAILED_PRECONDITION when this daemon creates no
+  // regions, or when its memory cannot be shared with a worker (MemoryExport::unavailable,
+  // quoted); RESOURCE_EXHAUSTED past max_regions or the created budget (saying what is
+  // used and left), or when the memory cannot be had; INTERNAL for other failures of the
+  // allocator.
   // `rank` >= 0 (device engines): on that rank's device instead of the engine's
   // (INVALID_ARGUMENT past max_rank).
   absl::StatusOr<CreatedScoreRegion> Create(absl::string_view tenant, uint64_t byte_size,

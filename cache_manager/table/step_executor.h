@@ -1,7 +1,8 @@
 // StepExecutor: the engine's threads. Every sequence is pinned to one of them (its shard,
 // from a hash of its id), so a sequence's steps run in the order they were posted and
 // its slot's lock is never contended by another step; different sequences run in
-// parallel, each thread on device streams of its own (kernels/stream_lanes.h). The gRPC threads only decode and post here: no engine work runs on them.
+// parallel, each thread on device streams of its own (kernels/stream_lanes.h). The gRPC
+// threads only decode and post here: no engine work runs on them.
 //
 // A task is a function pointer and a context, so posting allocates nothing. Each shard's
 // queue is bounded: Post refuses (false) when it is full, and the caller answers

@@ -243,8 +243,11 @@ absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
                                   [](const Slot& slot) { return slot.on_device; });
   const int64_t layers = any.view.layers, tokens = any.view.tokens;
   void* joined = device_joined_;
+  const size_t had_bytes = device_joined_bytes_;
   RETURN_IF_ERROR(EnsureDeviceBuffer(static_cast<size_t>(layers * tokens) * sizeof(float),
                                      &joined, &device_joined_bytes_));
+  // (Not the pointer: a new allocation may well reuse the freed one's address.)
+  const bool newly_allocated = device_joined_bytes_ != had_bytes;
   device_joined_ = static_cast<float*>(joined);
   const kernels::ScoreMatrix result = kernels::ScoreMatrix::Dense(
       device_joined_, kernels::ScoreDtype::kFloat32, layers, tokens);
@@ -255,9 +258,12 @@ absl::StatusOr<kernels::ScoreMatrix> TensorParallelJoin::JoinOnDevice() {
       views_.push_back(slot.view);
       devices_.push_back(slot.device);
     }
-    // The joiner writes the result on streams of its own, and the result's memory is
-    // ordered on stream_ (where it may just have been allocated): stream_ runs dry first.
-    RETURN_IF_ERROR(mem.synchronize(stream_, "allocating a joined step's scores"));
+    // The joiner writes the result on streams of its own, while memory just allocated is
+    // ordered on stream_: usable elsewhere once stream_ ran dry. (The last step's reads
+    // of an older buffer were waited for by that step.)
+    if (newly_allocated) {
+      RETURN_IF_ERROR(mem.synchronize(stream_, "allocating a joined step's scores"));
+    }
     RETURN_IF_ERROR(cross_device_->Join(views_, devices_, total_heads, device_, device_joined_));
     return result;
   }

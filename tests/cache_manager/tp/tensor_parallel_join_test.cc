@@ -385,5 +385,32 @@ TEST(TensorParallelJoinTest, ResetWaitsForTheDeviceJoinBeforeReleasingItsRegions
   }
 }
 
+// The cross-device joiner writes the result on streams of its own, so a result buffer
+// just allocated (stream-ordered on the sequence's stream) needs that stream run dry
+// first; a steady step, whose buffer is already there, waits for nothing before the join.
+TEST(TensorParallelJoinTest, AJoinAcrossDevicesWaitsForTheStreamOnlyAfterAllocating) {
+  kernels::KernelBackend device = kernels::EmulatedDeviceBackend();
+  device.mem.synchronize = &CountedWait;
+  CountingJoiner joiner;
+  TensorParallelJoin join(2, kernels::CpuBackend(), &device, 0, &joiner);
+  const std::vector<float> small = {0.25f, 0.5f}, large = {0.25f, 0.5f, 1.0f};
+  // (sums, whether the result buffer grows)
+  for (const auto& [sums, grows] : std::vector<std::pair<std::vector<float>, bool>>{
+           {small, true}, {small, false}, {large, true}, {small, false}}) {
+    const auto tokens = static_cast<int64_t>(sums.size());
+    for (int32_t r = 0; r < 2; ++r) {
+      RankReport report = Report(r, 1, sums, 1, 1);
+      report.in_backend = true;
+      report.device = r;
+      ASSERT_TRUE(join.Add(report, Expect(1, tokens, true)).ok());
+    }
+    const int before = stream_waits;
+    ASSERT_TRUE(join.JoinOnDevice().ok());
+    EXPECT_EQ(stream_waits - before, grows ? 1 : 0) << sums.size() << " tokens";
+    join.Reset();
+  }
+  EXPECT_EQ(joiner.calls, 4);
+}
+
 }  // namespace
 }  // namespace kvcm

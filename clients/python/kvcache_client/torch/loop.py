@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set
 
 from ..errors import SequenceInFlightError, StepError
 from .caches import KvCache
@@ -136,17 +136,11 @@ class DecodeLoop:
     def finish(self, captures: Mapping[str, Optional[StepScores]]) -> Dict[str, Any]:
         """Sends the step of every sequence in ``captures`` and applies the decisions to
         their caches; returns the decisions. Raises StepError when the daemon rejects one,
-        after applying the accepted ones (:meth:`_apply_accepted`)."""
+        after applying the accepted ones (:meth:`_decided`)."""
         reports = self._reports(captures)
-        built = time.perf_counter()
-        try:
-            decisions = self.batch.step(reports, dtype=self.dtype, raise_on_error=True)
-        except StepError as error:
-            waited = time.perf_counter() - built
-            self._apply_accepted(captures, error, step_s=waited, wait_s=waited)
-            raise
-        waited = time.perf_counter() - built
-        return self._apply(captures, decisions, step_s=waited, wait_s=waited)
+        return self._decided(
+            captures, lambda: self.batch.step(reports, dtype=self.dtype, raise_on_error=True),
+            sent_s=0.0)
 
     def submit(self, captures: Mapping[str, Optional[StepScores]]) -> PendingStep:
         """Sends the step of every sequence in ``captures`` without waiting for the
@@ -171,31 +165,36 @@ class DecodeLoop:
             raise ValueError("this step was submitted by another DecodeLoop")
         if pending.completed:
             raise ValueError("this step was completed already")
+
+        def wait() -> Dict[str, Any]:
+            try:
+                return pending.future.result()
+            finally:
+                pending.completed = True
+                self._in_flight -= pending.sequence_ids
+
+        return self._decided(pending.captures, wait, sent_s=pending.send_s)
+
+    def _decided(self, captures: Mapping[str, Optional[StepScores]],
+                 wait: Callable[[], Dict[str, Any]], *, sent_s: float) -> Dict[str, Any]:
+        """``wait()``'s decisions applied to the caches; ``sent_s``: time the step spent
+        being sent before ``wait``. A step the daemon rejected for some sequences decided
+        the others: they moved on (the batch tracks their next step), so their decisions
+        are applied before the StepError goes up, or their caches would lag the daemon's
+        for good. A rejected sequence's cache and observation window stay as they were:
+        redo its step."""
         started = time.perf_counter()
         try:
-            decisions = pending.future.result()
+            decisions = wait()
         except StepError as error:
-            waited = time.perf_counter() - started
-            self._apply_accepted(pending.captures, error, step_s=pending.send_s + waited,
-                                 wait_s=waited)
+            accepted = {sid: d for sid, d in (error.decisions or {}).items() if d.ok}
+            if accepted:
+                waited = time.perf_counter() - started
+                self._apply({sid: captures.get(sid) for sid in accepted}, accepted,
+                            step_s=sent_s + waited, wait_s=waited)
             raise
-        finally:
-            pending.completed = True
-            self._in_flight -= pending.sequence_ids
         waited = time.perf_counter() - started
-        return self._apply(pending.captures, decisions, step_s=pending.send_s + waited,
-                           wait_s=waited)
-
-    def _apply_accepted(self, captures: Mapping[str, Optional[StepScores]], error: StepError,
-                        *, step_s: float, wait_s: float) -> None:
-        """A step the daemon rejected for some sequences decided the others: they moved on
-        (the batch tracks their next step), so their decisions are applied to their caches
-        as any step's, or the caches would lag the daemon's for good. A rejected
-        sequence's cache and observation window stay as they were: redo its step."""
-        accepted = {sid: d for sid, d in (error.decisions or {}).items() if d.ok}
-        if accepted:
-            self._apply({sid: captures.get(sid) for sid in accepted}, accepted,
-                        step_s=step_s, wait_s=wait_s)
+        return self._apply(captures, decisions, step_s=sent_s + waited, wait_s=waited)
 
     @staticmethod
     def _reports(captures: Mapping[str, Optional[StepScores]]) -> Dict[str, Any]:
